@@ -1,0 +1,200 @@
+"""Gradient reduction during backward: post-accumulate-grad hooks -> bucket -> reduce-scatter -> local grad shard.
+
+[Note: bucket order and unused parameters]
+Buckets are built in the reverse order of ``module.parameters()`` (roughly the order backward produces gradients,
+as in ``DistributedDataParallel``). A bucket is launched when all its parameters' gradients are ready, but never
+before the buckets in front of it: every rank therefore issues the same collectives in the same order even when
+ranks take different control flow. At the end of backward every bucket not yet launched is launched, with zeros
+for parameters that got no gradient, so a parameter unused on some ranks (or on all) is reduced consistently and
+nothing hangs.
+
+[Note: stage 1 versus stage 2 gradients]
+Stage 1 keeps full gradients, as DDP does: micro-batches accumulate into ``param.grad`` with no communication, and
+at the accumulation boundary each bucket is reduce-scattered and the averaged owned rows are written back into
+``param.grad`` (the optimizer's shard gradient is a view of those rows; the other rows are zeroed so that any
+``zero_grad`` leaves a clean gradient). Stage 2 reduces on every backward, accumulates the averaged rows into a
+persistent shard-sized buffer, and frees each full gradient as soon as its bucket is packed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.sharding.collectives import Collectives, Handle
+from lightning_zero.sharding.flat_param import FlatLayout, ParamShard, group_into_buckets
+
+#: Buckets reduced concurrently; bounds the transient memory of full-size bucket buffers to this many.
+MAX_IN_FLIGHT = 2
+
+
+class _Bucket:
+    def __init__(self, index: int, shards: Sequence[ParamShard]) -> None:
+        self.index = index
+        self.shards = list(shards)
+        self.layout = FlatLayout([s.spec for s in shards])
+        self.ready = 0
+
+
+class GradReducer:
+    """Reduce-scatters the gradients of ``shards`` bucket by bucket; subclasses decide where the result is kept."""
+
+    #: Whether Lightning's ``block_backward_sync`` (gradient accumulation) may defer reduction to the boundary.
+    defers_during_accumulation: bool = False
+
+    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int) -> None:
+        self.comms = comms
+        trainable = [s for s in reversed(shards) if s.trainable]
+        self.buckets = [_Bucket(i, b) for i, b in enumerate(group_into_buckets(trainable, bucket_bytes))]
+        self._in_flight: deque[tuple[_Bucket, Tensor, Handle]] = deque()
+        self._next_launch = 0
+        self._started = False
+        self.sync = True
+        self._hooks = []
+        for index, bucket in enumerate(self.buckets):
+            for shard in bucket.shards:
+                self._hooks.append(shard.full.register_post_accumulate_grad_hook(self._make_hook(index)))
+
+    def _make_hook(self, index: int):
+        def hook(_param: Tensor) -> None:
+            self._on_grad_ready(index)
+
+        return hook
+
+    @property
+    def active(self) -> bool:
+        return self.sync or not self.defers_during_accumulation
+
+    def _on_grad_ready(self, index: int) -> None:
+        if not self.active:
+            return
+        self._started = True
+        self.buckets[index].ready += 1
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.shards):
+                break
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        first = bucket.shards[0].full
+        buffer = torch.empty(bucket.layout.full_numel, dtype=first.dtype, device=first.device)
+        bucket.layout.pack([s.full.grad for s in bucket.shards], buffer)
+        self._after_pack(bucket)
+        segment, handle = self.comms.reduce_scatter_mean(buffer)
+        self._in_flight.append((bucket, segment, handle))
+        self._next_launch += 1
+        while len(self._in_flight) > MAX_IN_FLIGHT:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        bucket, segment, handle = self._in_flight.popleft()
+        handle.wait()
+        self._store(bucket, bucket.layout.local_views(segment))
+
+    def finish(self, backward_ran: bool = True) -> None:
+        """Reduce what is left of this backward and wait for all of it.
+
+        ``backward_ran=True`` (from the strategy's ``post_backward``, which every rank reaches) reduces every bucket
+        even if no hook fired on this rank; ``False`` (before an optimizer step) only completes a started reduction.
+        """
+        if not self.active or not (self._started or backward_ran):
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        while self._in_flight:
+            self._complete_oldest()
+        for bucket in self.buckets:
+            bucket.ready = 0
+        self._next_launch = 0
+        self._started = False
+
+    def prepare_backward(self) -> None:
+        """Called before every backward; see subclasses."""
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _after_pack(self, bucket: _Bucket) -> None:
+        """Called once a bucket's gradients are copied into its flat buffer."""
+
+    def _store(self, bucket: _Bucket, reduced: list[Tensor]) -> None:
+        raise NotImplementedError
+
+    def grad_buffers(self) -> list[Tensor]:
+        """Persistent gradient storage owned by the reducer (for memory accounting)."""
+        return []
+
+
+class FullGradReducer(GradReducer):
+    """Stage 1: full gradients kept and accumulated locally; reduced at the accumulation boundary."""
+
+    defers_during_accumulation = True
+
+    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int) -> None:
+        super().__init__(shards, comms, bucket_bytes)
+        self._holds_reduced = False
+
+    def _store(self, bucket: _Bucket, reduced: list[Tensor]) -> None:
+        for shard, rows in zip(bucket.shards, reduced):
+            grad = shard.full.grad
+            if grad is None:
+                grad = shard.full.grad = torch.zeros_like(shard.full)
+            lo, hi = shard.spec.owned_rows()
+            table = grad.view(shard.spec.rows, -1)
+            table[:lo].zero_()
+            table[hi:].zero_()
+            owned = shard.spec.local_view(grad)
+            owned.copy_(rows)
+            shard.local.grad = owned
+        self._holds_reduced = True
+
+    def prepare_backward(self) -> None:
+        """Make ``param.grad`` hold only unreduced local gradient again before autograd accumulates into it.
+
+        After a reduction the full gradient holds the averaged owned rows (zeros elsewhere). If the optimizer's
+        ``zero_grad`` dropped the shard gradient, the full one goes too. If it was zeroed in place, the rows are
+        already zero. If it was kept, the rows are scaled by ``N`` so that the next average adds exactly the new
+        gradients to them, as DDP's all-reduce of an accumulated gradient does.
+        """
+        if not self._holds_reduced:
+            return
+        for bucket in self.buckets:
+            for shard in bucket.shards:
+                if shard.local.grad is None:
+                    shard.full.grad = None
+                else:
+                    shard.local.grad.mul_(self.comms.world_size)
+        self._holds_reduced = False
+
+
+class ShardGradReducer(GradReducer):
+    """Stage 2: only the local gradient shard persists; full gradients are freed as soon as they are packed."""
+
+    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int) -> None:
+        super().__init__(shards, comms, bucket_bytes)
+        self._segments: list[Tensor | None] = [None] * len(self.buckets)
+
+    def _after_pack(self, bucket: _Bucket) -> None:
+        for shard in bucket.shards:
+            shard.full.grad = None
+
+    def _store(self, bucket: _Bucket, reduced: list[Tensor]) -> None:
+        index = bucket.index
+        if self._segments[index] is None:
+            first = bucket.shards[0].full
+            self._segments[index] = torch.zeros(bucket.layout.segment_numel, dtype=first.dtype, device=first.device)
+        for shard, rows, dst in zip(bucket.shards, reduced, bucket.layout.local_views(self._segments[index])):
+            if shard.local.grad is None:
+                dst.copy_(rows)
+                shard.local.grad = dst
+            else:
+                shard.local.grad.add_(rows)
+
+    def grad_buffers(self) -> list[Tensor]:
+        return [s for s in self._segments if s is not None]
