@@ -29,11 +29,15 @@ class ZeroConfig:
             that updated parameters are packed into before each all-gather. Bounds the transient memory of a step.
         broadcast_buffers: broadcast floating-point module buffers (e.g. BatchNorm running stats) from rank 0 before
             every training forward, as ``DistributedDataParallel`` does by default.
+        find_unused_parameters: as in DDP: agree across ranks on which parameters got no gradient in a backward, so
+            that a parameter no rank used keeps no gradient and is not stepped (one small extra all-reduce, and
+            reduction starts only once backward ends). Without it such a parameter is stepped with a zero gradient.
     """
 
     stage: int = 2
     bucket_mb: float = 25.0
     broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:

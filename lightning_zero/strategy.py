@@ -48,6 +48,7 @@ class ZeroStrategy(DDPStrategy):
         stage: int = 2,
         bucket_mb: float = 25.0,
         broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
         *,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -58,7 +59,12 @@ class ZeroStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.config = ZeroConfig(stage=stage, bucket_mb=bucket_mb, broadcast_buffers=broadcast_buffers)
+        self.config = ZeroConfig(
+            stage=stage,
+            bucket_mb=bucket_mb,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -181,10 +187,15 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        """Remove the hooks; keep the sharded optimizers, so that a checkpoint saved after ``fit`` is still complete.
+
+        After ``fit`` every rank holds the full, trained parameters in the LightningModule (stages 1 and 2).
+        """
         if self._runtime is not None:
             self._runtime.remove()
-            self._runtime = None
         super().teardown()
+        if self._runtime is not None:
+            self._runtime.rebind_shards()
 
     @classmethod
     @override

@@ -112,6 +112,5 @@ def make_trainer(strategy, world_size: int, max_steps: int = 10, callbacks=(), *
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        use_distributed_sampler=True,
         **kwargs,
     )

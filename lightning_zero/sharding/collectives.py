@@ -87,6 +87,8 @@ class Collectives:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.native = self.distributed and dist.get_backend(group) == "nccl"
+        #: Where this group's collectives can read and write tensors.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.native else torch.device("cpu")
         self.stats = CommStats()
 
     def _global_rank(self, group_rank: int) -> int:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_zero.sharding.collectives import Collectives, Handle
@@ -36,7 +37,12 @@ class _Bucket:
         self.index = index
         self.shards = list(shards)
         self.layout = FlatLayout([s.spec for s in shards])
-        self.ready = 0
+        self.ready = [False] * len(self.shards)
+        self.used_anywhere = [True] * len(self.shards)
+
+    @property
+    def complete(self) -> bool:
+        return all(self.ready)
 
 
 class GradReducer:
@@ -45,8 +51,12 @@ class GradReducer:
     #: Whether Lightning's ``block_backward_sync`` (gradient accumulation) may defer reduction to the boundary.
     defers_during_accumulation: bool = False
 
-    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int) -> None:
+    def __init__(
+        self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, find_unused_parameters: bool = False
+    ) -> None:
         self.comms = comms
+        self.find_unused_parameters = find_unused_parameters
+        self._warned_unused = False
         trainable = [s for s in reversed(shards) if s.trainable]
         self.buckets = [_Bucket(i, b) for i, b in enumerate(group_into_buckets(trainable, bucket_bytes))]
         self._in_flight: deque[tuple[_Bucket, Tensor, Handle]] = deque()
@@ -54,13 +64,14 @@ class GradReducer:
         self._started = False
         self.sync = True
         self._hooks = []
-        for index, bucket in enumerate(self.buckets):
-            for shard in bucket.shards:
-                self._hooks.append(shard.full.register_post_accumulate_grad_hook(self._make_hook(index)))
+        for bucket in self.buckets:
+            for position, shard in enumerate(bucket.shards):
+                hook = self._make_hook(bucket, position)
+                self._hooks.append(shard.full.register_post_accumulate_grad_hook(hook))
 
-    def _make_hook(self, index: int):
+    def _make_hook(self, bucket: _Bucket, position: int):
         def hook(_param: Tensor) -> None:
-            self._on_grad_ready(index)
+            self._on_grad_ready(bucket, position)
 
         return hook
 
@@ -68,16 +79,15 @@ class GradReducer:
     def active(self) -> bool:
         return self.sync or not self.defers_during_accumulation
 
-    def _on_grad_ready(self, index: int) -> None:
+    def _on_grad_ready(self, bucket: _Bucket, position: int) -> None:
         if not self.active:
             return
         self._started = True
-        self.buckets[index].ready += 1
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.ready < len(bucket.shards):
-                break
-            self._launch(bucket)
+        bucket.ready[position] = True
+        if self.find_unused_parameters:
+            return
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
+            self._launch(self.buckets[self._next_launch])
 
     def _launch(self, bucket: _Bucket) -> None:
         first = bucket.shards[0].full
@@ -93,7 +103,9 @@ class GradReducer:
     def _complete_oldest(self) -> None:
         bucket, segment, handle = self._in_flight.popleft()
         handle.wait()
-        self._store(bucket, bucket.layout.local_views(segment))
+        reduced = bucket.layout.local_views(segment)
+        keep = bucket.used_anywhere if self.find_unused_parameters else [True] * len(bucket.shards)
+        self._store([s for s, k in zip(bucket.shards, keep) if k], [r for r, k in zip(reduced, keep) if k], bucket)
 
     def finish(self, backward_ran: bool = True) -> None:
         """Reduce what is left of this backward and wait for all of it.
@@ -103,14 +115,35 @@ class GradReducer:
         """
         if not self.active or not (self._started or backward_ran):
             return
+        if self.find_unused_parameters:
+            self._agree_on_used()
+        elif not self._warned_unused:
+            self._warn_unused()
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
         while self._in_flight:
             self._complete_oldest()
         for bucket in self.buckets:
-            bucket.ready = 0
+            bucket.ready = [False] * len(bucket.shards)
         self._next_launch = 0
         self._started = False
+
+    def _agree_on_used(self) -> None:
+        flags = torch.tensor([float(r) for b in self.buckets for r in b.ready])
+        self.comms.all_reduce_sum_(flags)
+        used = (flags > 0).tolist()
+        for bucket in self.buckets:
+            bucket.used_anywhere, used = used[: len(bucket.shards)], used[len(bucket.shards) :]
+
+    def _warn_unused(self) -> None:
+        unused = [s.name for b in self.buckets for s, r in zip(b.shards, b.ready) if not r]
+        if unused:
+            self._warned_unused = True
+            rank_zero_warn(
+                f"{len(unused)} parameter(s) got no gradient in a backward (e.g. "
+                f"{unused[:3]}); they are reduced as zeros, so the optimizer still steps them. Pass "
+                "find_unused_parameters=True to skip parameters that no rank used, as DDP does."
+            )
 
     def prepare_backward(self) -> None:
         """Called before every backward; see subclasses."""
@@ -123,7 +156,8 @@ class GradReducer:
     def _after_pack(self, bucket: _Bucket) -> None:
         """Called once a bucket's gradients are copied into its flat buffer."""
 
-    def _store(self, bucket: _Bucket, reduced: list[Tensor]) -> None:
+    def _store(self, shards: list[ParamShard], reduced: list[Tensor], bucket: _Bucket) -> None:
+        """Keep the averaged owned rows ``reduced`` of ``shards`` (those of ``bucket`` that someone used)."""
         raise NotImplementedError
 
     def grad_buffers(self) -> list[Tensor]:
@@ -136,12 +170,14 @@ class FullGradReducer(GradReducer):
 
     defers_during_accumulation = True
 
-    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int) -> None:
-        super().__init__(shards, comms, bucket_bytes)
+    def __init__(
+        self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, find_unused_parameters: bool = False
+    ) -> None:
+        super().__init__(shards, comms, bucket_bytes, find_unused_parameters)
         self._holds_reduced = False
 
-    def _store(self, bucket: _Bucket, reduced: list[Tensor]) -> None:
-        for shard, rows in zip(bucket.shards, reduced):
+    def _store(self, shards: list[ParamShard], reduced: list[Tensor], bucket: _Bucket) -> None:
+        for shard, rows in zip(shards, reduced):
             grad = shard.full.grad
             if grad is None:
                 grad = shard.full.grad = torch.zeros_like(shard.full)
@@ -176,20 +212,24 @@ class FullGradReducer(GradReducer):
 class ShardGradReducer(GradReducer):
     """Stage 2: only the local gradient shard persists; full gradients are freed as soon as they are packed."""
 
-    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int) -> None:
-        super().__init__(shards, comms, bucket_bytes)
+    def __init__(
+        self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, find_unused_parameters: bool = False
+    ) -> None:
+        super().__init__(shards, comms, bucket_bytes, find_unused_parameters)
         self._segments: list[Tensor | None] = [None] * len(self.buckets)
 
     def _after_pack(self, bucket: _Bucket) -> None:
         for shard in bucket.shards:
             shard.full.grad = None
 
-    def _store(self, bucket: _Bucket, reduced: list[Tensor]) -> None:
+    def _store(self, shards: list[ParamShard], reduced: list[Tensor], bucket: _Bucket) -> None:
         index = bucket.index
         if self._segments[index] is None:
             first = bucket.shards[0].full
             self._segments[index] = torch.zeros(bucket.layout.segment_numel, dtype=first.dtype, device=first.device)
-        for shard, rows, dst in zip(bucket.shards, reduced, bucket.layout.local_views(self._segments[index])):
+        destination = dict(zip(bucket.shards, bucket.layout.local_views(self._segments[index])))
+        for shard, rows in zip(shards, reduced):
+            dst = destination[shard]
             if shard.local.grad is None:
                 dst.copy_(rows)
                 shard.local.grad = dst

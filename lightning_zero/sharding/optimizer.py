@@ -109,12 +109,12 @@ class ShardedOptimizer:
 
     def _gather_full(self, local: torch.Tensor, shard: ParamShard) -> torch.Tensor:
         layout = FlatLayout([shard.spec])
-        buffer = torch.empty(layout.full_numel, dtype=local.dtype, device=local.device)
+        buffer = torch.empty(layout.full_numel, dtype=local.dtype, device=self.comms.device)
         layout.pack_local([local], buffer.view(self.comms.world_size, -1)[self.comms.rank])
         self.comms.all_gather_(buffer).wait()
-        full = torch.empty(shard.spec.shape, dtype=local.dtype, device=local.device)
+        full = torch.empty(shard.spec.shape, dtype=local.dtype, device=self.comms.device)
         layout.unpack(buffer, [full])
-        return full
+        return full.to(local.device)
 
 
 def _finish_gather(bucket: list[ParamShard], layout: FlatLayout, buffer: torch.Tensor, handle: Handle) -> None:

@@ -31,7 +31,9 @@ class ZeroRuntime:
         named = [(n, p) for n, p in module.named_parameters() if p.numel() > 0]
         self.shards: list[ParamShard] = shard_parameters(named, comms.rank, comms.world_size)
         self._shard_of = {s.full: s for s in self.shards}
-        self.reducer = _REDUCERS[config.stage](self.shards, comms, config.bucket_bytes)
+        self.reducer = _REDUCERS[config.stage](
+            self.shards, comms, config.bucket_bytes, find_unused_parameters=config.find_unused_parameters
+        )
         self.optimizers: dict[int, ShardedOptimizer] = {}
         self._buffer_hook = None
         if config.broadcast_buffers and _floating_buffers(module):
@@ -56,6 +58,12 @@ class ZeroRuntime:
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return self.reducer.grad_buffers()
+
+    def rebind_shards(self) -> None:
+        """Point every shard at the owned rows of its full parameter again, after the module moved (e.g. to CPU)."""
+        with torch.no_grad():
+            for shard in self.shards:
+                shard.local.data = shard.spec.local_view(shard.full.detach())
 
     def remove(self) -> None:
         self.reducer.remove()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-import lightning_zero  # noqa: F401  (registers the strategy names)
+from lightning_zero import ZeroStrategy
 from tests.harness import run_on_ranks
 from tests.models import ParityModel, Recorder, make_trainer
 
@@ -57,7 +57,8 @@ def _run_all(rank: int, world_size: int) -> dict:
         ddp = DDPStrategy(find_unused_parameters=case.with_unused)
         out[(case, "ddp")] = _fit(ddp, case, world_size)
         for stage in STAGES:
-            out[(case, stage)] = _fit(f"zero{stage}", case, world_size)
+            strategy = ZeroStrategy(stage, find_unused_parameters=True) if case.with_unused else f"zero{stage}"
+            out[(case, stage)] = _fit(strategy, case, world_size)
     return {key: (rec.losses, rec.params) for key, rec in out.items()}
 
 

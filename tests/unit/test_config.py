@@ -1,0 +1,65 @@
+"""Configuration errors name the field and the allowed values; the strategy names exist after import."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_zero
+from lightning_zero import ZeroConfig, ZeroConfigError, ZeroStrategy
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"stage": 5}, "stage=5 is invalid: allowed values are 1, 2 or 3"),
+        ({"stage": 0}, "stage=0 is invalid"),
+        ({"stage": True}, "stage=True is invalid"),
+        ({"bucket_mb": 0}, "bucket_mb=0 is invalid: it must be a number of MiB > 0"),
+        ({"bucket_mb": -1.5}, "bucket_mb=-1.5 is invalid"),
+        ({"bucket_mb": "big"}, "bucket_mb='big' is invalid"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, message) -> None:
+    with pytest.raises(ZeroConfigError, match=message.replace("(", r"\(")):
+        ZeroConfig(**kwargs)
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        ZeroConfig().stage = 1  # type: ignore[misc]
+
+
+def test_names_are_registered_on_import() -> None:
+    names = set(StrategyRegistry)
+    for stage in (1, 2, 3):
+        for suffix in ("", "_fork", "_spawn", "_notebook"):
+            assert f"zero{stage}{suffix}" in names
+    assert StrategyRegistry["zero1_fork"]["init_params"] == {"stage": 1, "start_method": "fork"}
+    assert lightning_zero.ZeroStrategy is ZeroStrategy
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2_fork"])
+def test_trainer_builds_the_strategy_from_its_name(name: str) -> None:
+    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy)
+    assert trainer.strategy.config.stage == int(name[4])
+
+
+def test_zero3_before_stage_3_exists_fails_with_one_clear_message() -> None:
+    with pytest.raises(ZeroConfigError, match="stage=3 .* is not implemented in this release; use one of: zero1, zero2"):
+        pl.Trainer(strategy="zero3", accelerator="cpu", devices=2)
+
+
+def test_fp16_mixed_is_refused_until_loss_scaling_is_sharded() -> None:
+    # On CPU Lightning turns precision="16-mixed" into bf16, so the fp16 plugin (as on CUDA) is passed explicitly.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    strategy = ZeroStrategy(stage=2, precision_plugin=plugin)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
+    model = BoringModel()
+    with pytest.raises(ValueError, match="precision='16-mixed' needs fp16 loss scaling"):
+        trainer.fit(model)
