@@ -9,9 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_STAGES = (1, 2, 3)
-#: Stages whose runtime exists in this release. A stage listed in SUPPORTED_STAGES but not here is refused with a
-#: message that says so, rather than silently running a lower stage.
-IMPLEMENTED_STAGES = (1, 2)
 
 
 class ZeroConfigError(ValueError):
@@ -29,6 +26,14 @@ class ZeroConfig:
             that updated parameters are packed into before each all-gather. Bounds the transient memory of a step.
         broadcast_buffers: broadcast floating-point module buffers (e.g. BatchNorm running stats) from rank 0 before
             every training forward, as ``DistributedDataParallel`` does by default.
+        prefetch: stage 3: how many units ahead of the one computing have their all-gather issued early; at most
+            ``prefetch + 1`` gathered units are alive at once (plus, in backward, units whose gradients are pending).
+        reshard_after_forward: stage 3: free a unit's parameters after its forward and gather them again for backward
+            (ZeRO-3); ``False`` keeps them from forward to backward, trading memory for one all-gather less.
+        units: stage 3: which submodules are gathered together, by class name, qualified class name or module path
+            (wildcards allowed), e.g. ``("Block",)``; empty selects units by size (``unit_mb``).
+        unit_mb: stage 3 with ``units`` empty: a submodule becomes a unit once its parameters not yet in a smaller
+            unit reach this many MiB.
         find_unused_parameters: as in DDP: agree across ranks on which parameters got no gradient in a backward, so
             that a parameter no rank used keeps no gradient and is not stepped (one small extra all-reduce, and
             reduction starts only once backward ends). Without it such a parameter is stepped with a zero gradient.
@@ -38,19 +43,32 @@ class ZeroConfig:
     bucket_mb: float = 25.0
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    units: tuple[str, ...] = ()
+    unit_mb: float = 16.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
             raise ZeroConfigError(f"stage={self.stage!r} is invalid: allowed values are 1, 2 or 3")
-        if self.stage not in IMPLEMENTED_STAGES:
-            allowed = ", ".join(f"zero{s}" for s in IMPLEMENTED_STAGES)
+        for name in ("bucket_mb", "unit_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a number of MiB > 0")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ZeroConfigError(f"prefetch={self.prefetch!r} is invalid: it must be an integer >= 1")
+        if isinstance(self.units, str) or not all(isinstance(u, str) and u for u in self.units):
             raise ZeroConfigError(
-                f"stage={self.stage} (parameter partitioning) is not implemented in this release; "
-                f"use one of: {allowed}"
+                f"units={self.units!r} is invalid: it must be a list of module class names or module paths"
             )
-        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
-            raise ZeroConfigError(f"bucket_mb={self.bucket_mb!r} is invalid: it must be a number of MiB > 0")
+        for name in ("broadcast_buffers", "find_unused_parameters", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ZeroConfigError(f"{name}={getattr(self, name)!r} is invalid: it must be true or false")
 
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 2**20))
+
+    @property
+    def unit_bytes(self) -> int:
+        return max(1, int(self.unit_mb * 2**20))

@@ -8,7 +8,7 @@ group, ``barrier``/``broadcast``/``reduce``, the distributed sampler) and overri
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -27,18 +27,25 @@ from typing_extensions import override
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.sharding.collectives import Collectives, CommStats
+from lightning_zero.sharding.materialize import has_meta_tensors, materialize_shards
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
 
 _START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
 
 
 class ZeroStrategy(DDPStrategy):
-    """ZeRO data parallelism: ``stage`` 1 shards optimizer states, 2 also gradients (see :class:`ZeroConfig`).
+    """ZeRO data parallelism: ``stage`` 1 shards optimizer states, 2 also gradients, 3 also parameters.
 
-    Use ``Trainer(strategy="zero2")`` (also ``"zero1"``, and ``_fork``/``_spawn``/``_notebook`` variants with that
-    start method) after ``import lightning_zero``, or pass an instance for full control::
+    Use ``Trainer(strategy="zero3")`` (also ``"zero1"``, ``"zero2"``, and ``_fork``/``_spawn``/``_notebook`` variants
+    with that start method) after ``import lightning_zero``, or pass an instance for full control (the arguments are
+    those of :class:`~lightning_zero.config.ZeroConfig`)::
 
-        Trainer(strategy=ZeroStrategy(stage=2, bucket_mb=50), accelerator="cuda", devices=8)
+        Trainer(strategy=ZeroStrategy(stage=3, units=["Block"], prefetch=2), accelerator="cuda", devices=8)
+
+    Under stage 3, a model built in ``configure_model()`` or ``Trainer.init_module()`` is created on the meta device
+    and materialized shard by shard (see ``sharding/materialize.py``). After ``fit`` the LightningModule holds the
+    full trained weights on every rank, on the CPU, as with DDP; during ``fit``,
+    ``with trainer.strategy.gathered_parameters():`` makes them whole for user code.
     """
 
     strategy_name = "zero"
@@ -49,6 +56,10 @@ class ZeroStrategy(DDPStrategy):
         bucket_mb: float = 25.0,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        prefetch: int = 1,
+        reshard_after_forward: bool = True,
+        units: tuple[str, ...] | list[str] = (),
+        unit_mb: float = 16.0,
         *,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -64,6 +75,10 @@ class ZeroStrategy(DDPStrategy):
             bucket_mb=bucket_mb,
             broadcast_buffers=broadcast_buffers,
             find_unused_parameters=find_unused_parameters,
+            prefetch=prefetch,
+            reshard_after_forward=reshard_after_forward,
+            units=tuple(units),
+            unit_mb=unit_mb,
         )
         super().__init__(
             accelerator=accelerator,
@@ -77,6 +92,7 @@ class ZeroStrategy(DDPStrategy):
         )
         self._runtime: ZeroRuntime | None = None
         self._comm_stats = CommStats()
+        self._init_rng_state: Tensor | None = None
 
     @property
     def comm_stats(self) -> CommStats:
@@ -100,17 +116,47 @@ class ZeroStrategy(DDPStrategy):
         _check_precision(self.precision_plugin)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
         comms = self._collectives()
+        detached = None
+        if self.config.stage == 3 and has_meta_tensors(self.model):
+            # Every rank draws rank 0's numbers, even if the user never seeded.
+            rng_state = (self._init_rng_state if self._init_rng_state is not None else torch.random.get_rng_state()).clone()
+            comms.broadcast_([rng_state])
+            detached = materialize_shards(self.model, self.root_device, rng_state, comms.rank, comms.world_size)
+        self.model_to_device()
         sync_module_states(self.model, comms)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._runtime = ZeroRuntime(self.model, self.config, comms)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting or self.config.stage == 3:
+            self._runtime = ZeroRuntime(self.model, self.config, comms, detached)
+        if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 self._runtime.shard_optimizer(optimizer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Stage 3 builds modules on the meta device; setup materializes only the local shards."""
+        if self.config.stage != 3:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        self._init_rng_state = torch.random.get_rng_state()
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def gathered_parameters(self) -> Generator[None, None, None]:
+        """Full parameters in the LightningModule for user code during ``fit`` (generation, export, inspection).
+
+        Every rank must enter it. Under stage 3 it gathers every unit (the whole model, on each rank) and frees them
+        again on exit; changes made inside are not kept. Stages 1 and 2 always hold full parameters.
+        """
+        with self._runtime.gathered() if self._runtime is not None else nullcontext():
+            yield
 
     def _collectives(self) -> Collectives:
         comms = Collectives()
@@ -120,6 +166,33 @@ class ZeroStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         raise RuntimeError("ZeroStrategy never wraps the module in DistributedDataParallel")
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None:
+            self._runtime.begin_step(training=True)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, *args, **kwargs)
+
+    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is None:
+            return step(*args, **kwargs)
+        self._runtime.begin_step(training=False)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self._runtime.end_step()
 
     @contextmanager
     @override
@@ -144,6 +217,7 @@ class ZeroStrategy(DDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._runtime is not None:
             self._runtime.reducer.finish(backward_ran=True)
+            self._runtime.end_step()
 
     @override
     def optimizer_step(
@@ -156,7 +230,6 @@ class ZeroStrategy(DDPStrategy):
         if self._runtime is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        sharded = self._runtime.sharded(inner)
         reducer = self._runtime.reducer
 
         def closure_then_reduce() -> Any:
@@ -166,8 +239,15 @@ class ZeroStrategy(DDPStrategy):
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-        sharded.gather_params()
+        self._runtime.after_optimizer_step(inner)
         return output
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full weights (stage 3 gathers them; every rank takes part)."""
+        assert self.lightning_module is not None
+        with self.gathered_parameters():
+            return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -187,15 +267,12 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove the hooks; keep the sharded optimizers, so that a checkpoint saved after ``fit`` is still complete.
-
-        After ``fit`` every rank holds the full, trained parameters in the LightningModule (stages 1 and 2).
-        """
+        """Remove the hooks and give the LightningModule its full parameters back (stage 3 gathers them unit by
+        unit); keep the sharded optimizers, so that a checkpoint saved after ``fit`` is still complete."""
         if self._runtime is not None:
-            self._runtime.remove()
+            self._runtime.remove_hooks()
+            self._runtime.release(torch.device("cpu"))
         super().teardown()
-        if self._runtime is not None:
-            self._runtime.rebind_shards()
 
     @classmethod
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
@@ -98,7 +99,9 @@ class Recorder(pl.Callback):
         self.losses.append(float(outputs["loss"]))
         if trainer.fit_loop._should_accumulate():
             return
-        self.params.append(flat_params(pl_module))
+        gathered = getattr(trainer.strategy, "gathered_parameters", contextlib.nullcontext)
+        with gathered():
+            self.params.append(flat_params(pl_module))
 
 
 def make_trainer(strategy, world_size: int, max_steps: int = 10, callbacks=(), **kwargs) -> pl.Trainer:
@@ -114,3 +117,107 @@ def make_trainer(strategy, world_size: int, max_steps: int = 10, callbacks=(), *
         enable_model_summary=False,
         **kwargs,
     )
+
+
+class TinyLM(pl.LightningModule):
+    """A decoder-only language model with tied input/output embeddings, built in ``configure_model``."""
+
+    def __init__(self, vocab: int = VOCAB, d_model: int = 16, n_layer: int = 2, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.vocab, self.d_model, self.n_layer, self.optimizer_name = vocab, d_model, n_layer, optimizer
+        self.lm = None
+
+    def configure_model(self) -> None:
+        if self.lm is not None:
+            return
+        self.lm = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(self.vocab, self.d_model),
+                "wpe": nn.Embedding(SEQ, self.d_model),
+                "blocks": nn.ModuleList(Block(self.d_model, n_head=2) for _ in range(self.n_layer)),
+                "ln_f": nn.LayerNorm(self.d_model),
+                "head": nn.Linear(self.d_model, self.vocab, bias=False),
+            }
+        )
+        self.lm["head"].weight = self.lm["wte"].weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.lm["wte"](tokens) + self.lm["wpe"](torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.lm["blocks"]:
+            x = block(x)
+        return self.lm["head"](self.lm["ln_f"](x))
+
+    def training_step(self, batch, batch_idx):
+        tokens, _ = batch
+        logits = self(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+
+    def validation_step(self, batch, batch_idx):
+        tokens, _ = batch
+        logits = self(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0][:, :-1]).argmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(token_dataset(), batch_size=4, shuffle=False)
+
+    def val_dataloader(self):
+        return DataLoader(token_dataset(64, seed=1), batch_size=4, shuffle=False)
+
+    test_dataloader = val_dataloader
+    predict_dataloader = val_dataloader
+
+
+class LoRALinear(nn.Module):
+    """A frozen base projection plus a trainable low-rank update: frozen and trainable parameters in one module."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, d_in) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(d_out, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class AdapterModel(pl.LightningModule):
+    """A frozen embedding sub-module, two LoRA layers, one module called twice in a forward, a trainable head."""
+
+    def __init__(self, d_model: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.embed.requires_grad_(False)
+        self.adapt1 = LoRALinear(d_model, d_model)
+        self.adapt2 = LoRALinear(d_model, d_model)
+        self.mix = nn.Linear(d_model, d_model)
+        self.head = nn.Linear(d_model, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = torch.tanh(self.mix(h))
+        h = h + self.adapt1(h)
+        h = torch.tanh(self.mix(h))  # the same module, a second time
+        h = h + self.adapt2(h)
+        return self.head(h.mean(dim=1))
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        return nn.functional.cross_entropy(self(tokens), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(token_dataset(), batch_size=4, shuffle=False)

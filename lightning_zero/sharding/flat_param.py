@@ -187,14 +187,26 @@ class ParamShard:
 
 
 def shard_parameters(
-    named_params: Iterable[tuple[str, torch.nn.Parameter]], rank: int, world_size: int
+    named_params: Iterable[tuple[str, torch.nn.Parameter]],
+    rank: int,
+    world_size: int,
+    detached: dict[torch.nn.Parameter, tuple[torch.Size, Tensor]] | None = None,
 ) -> list[ParamShard]:
-    """Make a :class:`ParamShard` per parameter whose local shard views the owned rows of the full parameter."""
+    """Make a :class:`ParamShard` per parameter.
+
+    Without ``detached`` each local shard is a view of the owned rows of the full parameter (stages 1 and 2). With
+    it, each parameter maps to its full shape and its standalone local rows (stage 3, where the full parameter is
+    freed between uses).
+    """
     shards = []
     for name, param in named_params:
-        spec = ShardSpec(param.shape, rank, world_size)
-        local = torch.nn.Parameter(spec.local_view(param.detach()), requires_grad=param.requires_grad)
-        shards.append(ParamShard(name, param, spec, local))
+        if detached is None:
+            spec = ShardSpec(param.shape, rank, world_size)
+            rows = spec.local_view(param.detach())
+        else:
+            shape, rows = detached[param]
+            spec = ShardSpec(shape, rank, world_size)
+        shards.append(ParamShard(name, param, spec, torch.nn.Parameter(rows, requires_grad=param.requires_grad)))
     return shards
 
 

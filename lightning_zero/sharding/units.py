@@ -1,0 +1,82 @@
+"""Which parameters are gathered together in stage 3: the unit plan. Bookkeeping only, no communication.
+
+[Note: how the model is split into units]
+A unit is a submodule whose parameters are all-gathered together right before it runs and freed right after. The
+plan walks the module tree bottom-up (post-order) and makes a unit of a submodule when
+
+- ``units`` is given and the submodule's class name (``Block``), qualified class name (``my_pkg.model.Block``) or
+  module path (``model.layers.3``, shell-style wildcards allowed: ``model.layers.*``) matches one of its entries; or
+- ``units`` is empty and the parameters of its subtree not already in a smaller unit reach ``unit_bytes``.
+
+Whatever is left, and every parameter used by more than one module (tied weights such as a language model's input
+embedding and output projection), belongs to the root unit, which is gathered for the whole training step: a tied
+weight must be present for both of its uses, which may sit in different units.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(eq=False)
+class UnitPlan:
+    """One unit: the module whose forward brackets the gather, and the parameters it owns (in module order)."""
+
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+def plan_units(root: nn.Module, units: tuple[str, ...], unit_bytes: int) -> tuple[UnitPlan, list[UnitPlan]]:
+    """Split ``root``'s parameters into a root unit and submodule units (see [Note: how the model is split into units]).
+
+    Returns ``(root_unit, units)``, ``units`` in pre-order of the module tree, each parameter in exactly one of them.
+    """
+    shared = _shared_parameters(root)
+    assigned: set[nn.Parameter] = set(shared)
+    plans: list[UnitPlan] = []
+    visited: set[nn.Module] = set()
+
+    def visit(module: nn.Module, name: str) -> list[nn.Parameter]:
+        visited.add(module)
+        pending: list[nn.Parameter] = []
+        for child_name, child in module.named_children():
+            if child not in visited:
+                pending += visit(child, f"{name}.{child_name}" if name else child_name)
+        pending += [p for p in module.parameters(recurse=False) if p not in assigned]
+        pending = list(dict.fromkeys(pending))
+        if module is root or not pending:
+            return pending
+        if _matches(module, name, units) if units else _nbytes(pending) >= unit_bytes:
+            plans.append(UnitPlan(name, module, pending))
+            assigned.update(pending)
+            return []
+        return pending
+
+    leftover = visit(root, "")
+    order = {m: i for i, m in enumerate(root.modules())}
+    plans.sort(key=lambda plan: order[plan.module])
+    root_params = list(dict.fromkeys(leftover + [p for p in root.parameters() if p in shared]))
+    return UnitPlan("", root, root_params), plans
+
+
+def _shared_parameters(root: nn.Module) -> set[nn.Parameter]:
+    """Parameters registered on more than one module (tied weights)."""
+    owners: dict[nn.Parameter, int] = {}
+    for module in root.modules():
+        for param in module.parameters(recurse=False):
+            owners[param] = owners.get(param, 0) + 1
+    return {p for p, count in owners.items() if count > 1}
+
+
+def _matches(module: nn.Module, name: str, patterns: tuple[str, ...]) -> bool:
+    cls = type(module)
+    candidates = (cls.__name__, f"{cls.__module__}.{cls.__qualname__}", name)
+    return any(fnmatch.fnmatchcase(c, p) for p in patterns for c in candidates)
+
+
+def _nbytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
