@@ -46,11 +46,22 @@ class WideMLP(pl.LightningModule):
 
 
 class Measure(pl.Callback):
-    """Held bytes before the third optimizer step; communicated bytes of every micro-batch."""
+    """Held bytes before the third optimizer step (and their peak at any unit's forward, stage 3); communicated
+    bytes of every micro-batch."""
 
     def __init__(self) -> None:
         self.held = None
+        self.peak = 0
         self.comm: list[dict[str, int]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        if isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.runtime.gatherer is not None:
+            # Registered after the strategy's own pre-forward hooks: runs with the unit gathered and prefetches issued.
+            for unit in trainer.strategy.runtime.gatherer.units:
+                unit.module.register_forward_pre_hook(lambda *_: self._sample(trainer))
+
+    def _sample(self, trainer) -> None:
+        self.peak = max(self.peak, trainer.strategy.model_state_bytes().total)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == 2:
@@ -76,11 +87,12 @@ def _measure(rank: int, world_size: int) -> dict:
         ("zero2", ZeroStrategy(2, bucket_mb=BUCKET_MB), 1),
         ("zero1_acc2", ZeroStrategy(1, bucket_mb=BUCKET_MB), 2),
         ("zero2_acc2", ZeroStrategy(2, bucket_mb=BUCKET_MB), 2),
+        ("zero3", ZeroStrategy(3, bucket_mb=BUCKET_MB, units=("Linear",)), 1),
     ]:
         pl.seed_everything(0, verbose=False)
         measure = Measure()
         make_trainer(strategy, world_size, max_steps=4, callbacks=[measure], accumulate_grad_batches=accumulate).fit(WideMLP())
-        out[name] = (measure.held, measure.comm)
+        out[name] = (measure.held, measure.comm, measure.peak)
     return out
 
 
@@ -100,6 +112,7 @@ FORMULAS = {  # fp32 + Adam, bytes per parameter (shared/DESIGN.md)
     "ddp": lambda n: 16,
     "zero1": lambda n: 8 + 8 / n,
     "zero2": lambda n: 4 + 12 / n,
+    "zero3": lambda n: 16 / n,
 }
 
 
@@ -112,7 +125,10 @@ def test_model_state_bytes_match_formula(world_size: int, name: str) -> None:
         params, grads, optimizer = per_rank[name][0]
         total = params + grads + optimizer
         assert abs(total - expected) <= 0.10 * expected, (name, total / psi)
-        assert params == 4 * psi  # full fp32 parameters in stages 1 and 2; shards are views of them
+        if name != "zero3":
+            assert params == 4 * psi  # full fp32 parameters in stages 1 and 2; shards are views of them
+        else:
+            assert params <= 1.01 * 4 * psi / world_size  # after backward every unit is freed: only the shards
         if name != "ddp":
             # Adam's two moments for this rank's rows only (plus a 4-byte step counter per parameter).
             assert abs(optimizer - 8 * psi / world_size) <= 0.02 * 8 * psi / world_size
@@ -148,3 +164,42 @@ def test_accumulation_communication(world_size: int) -> None:
         # Stage 2 reduce-scatters every micro-batch into its gradient shard.
         assert [s.get("reduce_scatter", 0) for s in stage2] == [one, one] * 4
         assert [s.get("all_gather", 0) for s in stage1] == [s.get("all_gather", 0) for s in stage2] == [0, one] * 4
+
+
+def _unit_padded(world_size: int) -> tuple[int, int]:
+    """Padded elements of the Linear units and of the root unit (the LayerNorm) of WideMLP."""
+    units = roots = 0
+    for module in WideMLP().modules():
+        padded = sum(ShardSpec(p.shape, 0, world_size).padded_numel * world_size for p in module.parameters(recurse=False))
+        if isinstance(module, nn.Linear):
+            units += padded
+        else:
+            roots += padded
+    return units, roots
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero3_bytes_per_step_are_three_psi(world_size: int) -> None:
+    psi, padded = _psi_and_padded(world_size)
+    units, root = _unit_padded(world_size)
+    ring = (world_size - 1) / world_size
+    for per_rank in results(world_size):
+        for step in per_rank["zero3"][1]:
+            assert step["reduce_scatter"] == round(padded * 4 * ring)
+            # Each unit is gathered for forward and again for backward; the root unit once for the whole step.
+            assert step["all_gather"] == round((2 * units + root) * 4 * ring)
+            assert step["all_gather_calls"] == 2 * 4 + 1
+            total = step["reduce_scatter"] + step["all_gather"]
+            assert 3 * psi * 4 * ring * 0.98 <= total <= 3 * psi * 4 * ring * 1.01
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero3_peak_is_shards_plus_the_gathered_units(world_size: int) -> None:
+    psi, _ = _psi_and_padded(world_size)
+    largest_unit = 4 * (WIDTH * WIDTH + WIDTH)
+    for per_rank in results(world_size):
+        steady = sum(per_rank["zero3"][0])
+        peak = per_rank["zero3"][2]
+        # prefetch=1: the unit computing and the next one, plus the root unit (a LayerNorm), on top of the shards.
+        assert steady < peak <= steady + 2 * largest_unit + 4 * 2 * WIDTH
+        assert peak < 16 * psi / world_size + 2 * largest_unit + 4 * 2 * WIDTH

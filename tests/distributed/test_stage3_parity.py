@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
 from tests.harness import run_on_ranks
-from tests.models import AdapterModel, ParityModel, Recorder, TinyLM, make_trainer
+from tests.models import AdapterModel, ParityModel, Recorder, TinyLM, flat_params, make_trainer
 
 STEPS = 10
 RTOL, ATOL = 1e-5, 1e-6
@@ -61,8 +61,9 @@ def _run_all(rank: int, world_size: int) -> dict:
         out[case] = {"ddp": (ddp.losses, ddp.params), "zero3": (z3.losses, z3.params)}
     # Evaluation after fit, on the trained model, against the same weights under DDP.
     case = CASES[0]
-    _, model, trainer = _fit(ZeroStrategy(3, units=case.units), case, world_size)
+    recorder, model, trainer = _fit(ZeroStrategy(3, units=case.units), case, world_size)
     evaluation = {
+        "after_fit": (flat_params(model), recorder.params[-1], [p.device.type for p in model.parameters()]),
         "validate": trainer.validate(model, verbose=False)[0]["val_loss"],
         "test": trainer.test(model, verbose=False)[0]["val_loss"],
         "predict": torch.cat(trainer.predict(model)),
@@ -100,3 +101,10 @@ def test_evaluation_after_fit_matches_ddp(world_size: int) -> None:
         assert evaluation["validate"] == pytest.approx(evaluation["ddp_validate"], rel=1e-6)
         assert evaluation["test"] == pytest.approx(evaluation["ddp_validate"], rel=1e-6)
         assert torch.equal(evaluation["predict"], evaluation["ddp_predict"])
+
+
+def test_module_holds_full_trained_weights_after_fit() -> None:
+    for per_rank in results(2):
+        after_fit, last_step, devices = per_rank["evaluation"]["after_fit"]
+        assert torch.equal(after_fit, last_step)
+        assert set(devices) == {"cpu"}
