@@ -35,9 +35,14 @@ def model_state_bytes(
     ``extra_grad_buffers`` adds gradient storage held outside ``.grad`` (e.g. a reducer's persistent shard buffers).
     """
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
-    params = list(module.parameters()) + [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    grads = [p.grad for p in params if p.grad is not None] + list(extra_grad_buffers)
-    states = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+    module_params = list(module.parameters())
+    dtypes = {p.dtype for p in module_params}
+    stepped = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    # fp32 master copies of 16-bit parameters are optimizer state, as in the ZeRO paper's accounting.
+    masters = [p for p in stepped if p.dtype not in dtypes]
+    params = module_params + [p for p in stepped if p.dtype in dtypes]
+    grads = [p.grad for p in params + masters if p.grad is not None] + list(extra_grad_buffers)
+    states = masters + [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     seen: set[tuple[torch.device, int]] = set()
     return ModelStateBytes(
         params=_storage_bytes(params, seen), grads=_storage_bytes(grads, seen), optimizer=_storage_bytes(states, seen)

@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.precision import ZeroPrecision, zero_precision_for
 from lightning_zero.sharding.collectives import Collectives, CommStats
 from lightning_zero.sharding.materialize import has_meta_tensors, materialize_shards
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
@@ -60,6 +61,7 @@ class ZeroStrategy(DDPStrategy):
         reshard_after_forward: bool = True,
         units: tuple[str, ...] | list[str] = (),
         unit_mb: float = 16.0,
+        reduce_dtype: str | None = None,
         *,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -79,6 +81,7 @@ class ZeroStrategy(DDPStrategy):
             reshard_after_forward=reshard_after_forward,
             units=tuple(units),
             unit_mb=unit_mb,
+            reduce_dtype=reduce_dtype,
         )
         super().__init__(
             accelerator=accelerator,
@@ -93,6 +96,27 @@ class ZeroStrategy(DDPStrategy):
         self._runtime: ZeroRuntime | None = None
         self._comm_stats = CommStats()
         self._init_rng_state: Tensor | None = None
+
+    @property
+    @override
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            # Left unset until the Trainer assigns one for its ``precision`` flag (a set plugin would override it).
+            if not hasattr(self, "_default_precision"):
+                self._default_precision = ZeroPrecision()
+            return self._default_precision
+        return self._precision_plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning assigns its generic plugin for the user's flag; translate it now so a bad flag fails early.
+        self._precision_plugin = None if plugin is None else zero_precision_for(plugin)
+
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """Global gradient norm (all shards) before the last clip by norm: what DDP's ``clip_grad_norm_`` returns."""
+        return self.precision_plugin.last_grad_norm
 
     @property
     def comm_stats(self) -> CommStats:
@@ -113,7 +137,6 @@ class ZeroStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        _check_precision(self.precision_plugin)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         comms = self._collectives()
@@ -127,11 +150,13 @@ class ZeroStrategy(DDPStrategy):
         sync_module_states(self.model, comms)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting or self.config.stage == 3:
-            self._runtime = ZeroRuntime(self.model, self.config, comms, detached)
+            working_dtype = self.precision_plugin.working_dtype
+            self._runtime = ZeroRuntime(self.model, self.config, comms, detached, working_dtype)
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 self._runtime.shard_optimizer(optimizer)
+            self.precision_plugin.sharded = self._runtime.sharded
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -286,11 +311,3 @@ class ZeroStrategy(DDPStrategy):
                     stage=stage,
                     start_method=start_method,
                 )
-
-
-def _check_precision(plugin: Precision) -> None:
-    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-        raise ValueError(
-            "precision='16-mixed' needs fp16 loss scaling agreed across shards, which ZeroStrategy does not have yet; "
-            "use precision='bf16-mixed' or '32-true'"
-        )

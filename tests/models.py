@@ -221,3 +221,42 @@ class AdapterModel(pl.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(token_dataset(), batch_size=4, shuffle=False)
+
+
+class TinyGAN(pl.LightningModule):
+    """Manual optimization with two optimizers, as a GAN's generator and discriminator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+        self.discriminator = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        g_opt, d_opt = self.optimizers()
+        bce = nn.functional.binary_cross_entropy_with_logits
+        fake = self.generator(noise)
+        real_logits, fake_logits = self.discriminator(real), self.discriminator(fake.detach())
+        d_loss = bce(real_logits, torch.ones_like(real_logits)) + bce(fake_logits, torch.zeros_like(fake_logits))
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        logits = self.discriminator(fake)
+        g_loss = bce(logits, torch.ones_like(logits))
+        g_opt.zero_grad()
+        self.manual_backward(g_loss)
+        g_opt.step()
+        self.losses += [float(d_loss), float(g_loss)]
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=2e-3, betas=(0.5, 0.999)),
+            torch.optim.Adam(self.discriminator.parameters(), lr=1e-3, betas=(0.5, 0.999)),
+        )
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(3)
+        data = TensorDataset(torch.randn(256, 4, generator=g), torch.randn(256, 6, generator=g) * 0.5 + 1.0)
+        return DataLoader(data, batch_size=4)

@@ -172,18 +172,35 @@ def _cumulative(sizes: Iterable[int]) -> list[int]:
 class ParamShard:
     """One model parameter and this rank's shard of it.
 
-    ``local`` is the ``nn.Parameter`` the optimizer updates: while the full parameter exists (stages 1 and 2) it is a
-    view of the owned rows, so an optimizer step on it updates the full parameter in place.
+    ``local`` is the ``nn.Parameter`` the optimizer updates. In full precision with stages 1 and 2 it is a view of the
+    owned rows of ``full``, so a step on it updates the full parameter in place; with stage 3 or with 16-bit working
+    parameters it is a standalone tensor (the fp32 master in mixed precision). ``grad`` holds the averaged gradient
+    of the owned rows as the reducer left it (in the reduction dtype); when it has ``local``'s dtype it is also
+    ``local.grad``, otherwise the optimizer step gives ``local`` an fp32 copy for the duration of the step.
     """
 
     name: str
     full: torch.nn.Parameter
     spec: ShardSpec
     local: torch.nn.Parameter
+    grad: Tensor | None = None
 
     @property
     def trainable(self) -> bool:
         return self.full.requires_grad
+
+    def set_grad(self, grad: Tensor) -> None:
+        self.grad = grad
+        if grad.dtype == self.local.dtype:
+            self.local.grad = grad
+
+    def clear_grad(self, set_to_none: bool) -> None:
+        """What ``optimizer.zero_grad(set_to_none)`` means for the reduced gradient."""
+        if self.grad is not None:
+            if set_to_none:
+                self.grad = None
+            else:
+                self.grad.zero_()
 
 
 def shard_parameters(
@@ -191,18 +208,21 @@ def shard_parameters(
     rank: int,
     world_size: int,
     detached: dict[torch.nn.Parameter, tuple[torch.Size, Tensor]] | None = None,
+    master_dtype: torch.dtype | None = None,
 ) -> list[ParamShard]:
     """Make a :class:`ParamShard` per parameter.
 
-    Without ``detached`` each local shard is a view of the owned rows of the full parameter (stages 1 and 2). With
-    it, each parameter maps to its full shape and its standalone local rows (stage 3, where the full parameter is
-    freed between uses).
+    Without ``detached`` each local shard is a view of the owned rows of the full parameter (stages 1 and 2), or a
+    copy in ``master_dtype`` when that is given. With it, each parameter maps to its full shape and its standalone
+    local rows (stage 3, where the full parameter is freed between uses).
     """
     shards = []
     for name, param in named_params:
         if detached is None:
             spec = ShardSpec(param.shape, rank, world_size)
             rows = spec.local_view(param.detach())
+            if master_dtype is not None:
+                rows = rows.to(master_dtype, copy=True)
         else:
             shape, rows = detached[param]
             spec = ShardSpec(shape, rank, world_size)

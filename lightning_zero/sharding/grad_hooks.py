@@ -52,10 +52,16 @@ class GradReducer:
     defers_during_accumulation: bool = False
 
     def __init__(
-        self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, find_unused_parameters: bool = False
+        self,
+        shards: Sequence[ParamShard],
+        comms: Collectives,
+        bucket_bytes: int,
+        find_unused_parameters: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.comms = comms
         self.find_unused_parameters = find_unused_parameters
+        self.reduce_dtype = reduce_dtype
         self._warned_unused = False
         trainable = [s for s in reversed(shards) if s.trainable]
         self.buckets = [_Bucket(i, b) for i, b in enumerate(group_into_buckets(trainable, bucket_bytes))]
@@ -89,9 +95,12 @@ class GradReducer:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
             self._launch(self.buckets[self._next_launch])
 
+    def _dtype(self, bucket: _Bucket) -> torch.dtype:
+        return self.reduce_dtype or bucket.shards[0].full.dtype
+
     def _launch(self, bucket: _Bucket) -> None:
         first = bucket.shards[0].full
-        buffer = torch.empty(bucket.layout.full_numel, dtype=first.dtype, device=first.device)
+        buffer = torch.empty(bucket.layout.full_numel, dtype=self._dtype(bucket), device=first.device)
         bucket.layout.pack([s.full.grad for s in bucket.shards], buffer)
         self._after_pack(bucket)
         segment, handle = self.comms.reduce_scatter_mean(buffer)
@@ -170,10 +179,8 @@ class FullGradReducer(GradReducer):
 
     defers_during_accumulation = True
 
-    def __init__(
-        self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, find_unused_parameters: bool = False
-    ) -> None:
-        super().__init__(shards, comms, bucket_bytes, find_unused_parameters)
+    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, **kwargs) -> None:
+        super().__init__(shards, comms, bucket_bytes, **kwargs)
         self._holds_reduced = False
 
     def _store(self, shards: list[ParamShard], reduced: list[Tensor], bucket: _Bucket) -> None:
@@ -187,14 +194,14 @@ class FullGradReducer(GradReducer):
             table[hi:].zero_()
             owned = shard.spec.local_view(grad)
             owned.copy_(rows)
-            shard.local.grad = owned
+            shard.set_grad(owned)
         self._holds_reduced = True
 
     def prepare_backward(self) -> None:
         """Make ``param.grad`` hold only unreduced local gradient again before autograd accumulates into it.
 
         After a reduction the full gradient holds the averaged owned rows (zeros elsewhere). If the optimizer's
-        ``zero_grad`` dropped the shard gradient, the full one goes too. If it was zeroed in place, the rows are
+        ``zero_grad`` dropped the reduced gradient, the full one goes too. If it was zeroed in place, the rows are
         already zero. If it was kept, the rows are scaled by ``N`` so that the next average adds exactly the new
         gradients to them, as DDP's all-reduce of an accumulated gradient does.
         """
@@ -202,20 +209,18 @@ class FullGradReducer(GradReducer):
             return
         for bucket in self.buckets:
             for shard in bucket.shards:
-                if shard.local.grad is None:
+                if shard.grad is None:
                     shard.full.grad = None
                 else:
-                    shard.local.grad.mul_(self.comms.world_size)
+                    shard.grad.mul_(self.comms.world_size)
         self._holds_reduced = False
 
 
 class ShardGradReducer(GradReducer):
     """Stage 2: only the local gradient shard persists; full gradients are freed as soon as they are packed."""
 
-    def __init__(
-        self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, find_unused_parameters: bool = False
-    ) -> None:
-        super().__init__(shards, comms, bucket_bytes, find_unused_parameters)
+    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, **kwargs) -> None:
+        super().__init__(shards, comms, bucket_bytes, **kwargs)
         self._segments: list[Tensor | None] = [None] * len(self.buckets)
 
     def _after_pack(self, bucket: _Bucket) -> None:
@@ -225,16 +230,16 @@ class ShardGradReducer(GradReducer):
     def _store(self, shards: list[ParamShard], reduced: list[Tensor], bucket: _Bucket) -> None:
         index = bucket.index
         if self._segments[index] is None:
-            first = bucket.shards[0].full
-            self._segments[index] = torch.zeros(bucket.layout.segment_numel, dtype=first.dtype, device=first.device)
+            device = bucket.shards[0].full.device
+            self._segments[index] = torch.zeros(bucket.layout.segment_numel, dtype=self._dtype(bucket), device=device)
         destination = dict(zip(bucket.shards, bucket.layout.local_views(self._segments[index])))
         for shard, rows in zip(shards, reduced):
-            dst = destination[shard]
-            if shard.local.grad is None:
+            if shard.grad is None:
+                dst = destination[shard]
                 dst.copy_(rows)
-                shard.local.grad = dst
+                shard.set_grad(dst)
             else:
-                shard.local.grad.add_(rows)
+                shard.grad.add_(rows)
 
     def grad_buffers(self) -> list[Tensor]:
         return [s for s in self._segments if s is not None]

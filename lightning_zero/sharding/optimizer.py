@@ -7,6 +7,18 @@ The object the user and their LR schedulers hold stays the optimizer that steps:
 groups keep working, any ``torch.optim`` class that updates element-wise works (Adam, AdamW, SGD with momentum, ...),
 and the per-parameter state it creates is shard-sized. Optimizers whose update depends on a parameter's full shape
 (e.g. Shampoo, Muon, Adafactor's factored moments) would see a row block instead and are not supported.
+
+The optimizer's ``zero_grad`` is extended (through a subclass made for that one instance, so ``isinstance`` and the
+class name are unchanged) to also clear the reduced gradients that the sharding keeps beside ``param.grad`` (see
+``ParamShard.grad``).
+
+[Note: gradients at the optimizer step]
+The step is where loss scaling, clipping and the precision of the update meet. ``prepare_step`` computes, from the
+reduced gradient shards, whether any rank saw an inf/NaN (fp16 loss scaling: one all-reduce of a flag) and the
+global gradient norm (one all-reduce of a sum of squares, equal to what ``clip_grad_norm_`` computes on DDP's full
+gradients), folds the loss-scale inverse and the clipping coefficient into one factor, and applies it: in place
+when the optimizer steps the reduced gradients themselves (fp32), or while making the fp32 copy that an fp32 master
+shard needs (16-bit working parameters), a copy that lives only for the step.
 """
 
 from __future__ import annotations
@@ -54,6 +66,62 @@ class ShardedOptimizer:
         self._gather_buckets = [
             (bucket, FlatLayout([s.spec for s in bucket])) for bucket in group_into_buckets(trainable, bucket_bytes)
         ]
+        self._wrap_zero_grad()
+
+    def _wrap_zero_grad(self) -> None:
+        # A per-instance subclass rather than an instance attribute: Lightning's LightningOptimizer derives its own
+        # class from the optimizer's and would otherwise reach the original ``zero_grad`` through its MRO.
+        cls = type(self.optimizer)
+        shards = self.shards
+
+        def zero_grad(optimizer: Optimizer, set_to_none: bool = True) -> None:
+            cls.zero_grad(optimizer, set_to_none)
+            for shard in shards:
+                shard.clear_grad(set_to_none)
+
+        zero_grad.__doc__ = cls.zero_grad.__doc__
+        self.optimizer.__class__ = type(cls.__name__, (cls,), {"zero_grad": zero_grad, "__module__": cls.__module__})
+
+    def found_inf(self) -> bool:
+        """Whether any rank's reduced gradients hold an inf or NaN (one all-reduce)."""
+        grads = [s.grad for s in self.shards if s.grad is not None and s.grad.numel() > 0]
+        flag = torch.zeros(1, device=self.comms.device)
+        if grads:
+            flag += torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any().to(flag.device)
+        self.comms.all_reduce_sum_(flag)
+        return bool(flag.item() > 0)
+
+    def grad_norm(self, scale: float = 1.0) -> torch.Tensor:
+        """Global L2 norm over all ranks' gradient shards (padding excluded), divided by ``scale``."""
+        grads = [s.grad for s in self.shards if s.grad is not None and s.grad.numel() > 0]
+        total = torch.zeros(1, dtype=torch.float32, device=self.comms.device)
+        if grads:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            total += torch.stack(norms).square().sum().to(total.device)
+        self.comms.all_reduce_sum_(total)
+        return total.sqrt()[0] / scale
+
+    @torch.no_grad()
+    def prepare_step(self, factor: float, clip_value: float | None = None) -> None:
+        """Give the optimizer its gradients, multiplied by ``factor`` and clamped to ``clip_value``."""
+        for shard in self.shards:
+            grad = shard.grad
+            if grad is None:
+                continue
+            if grad.dtype == shard.local.dtype:
+                if factor != 1.0:
+                    grad.mul_(factor)
+                shard.local.grad = grad
+            else:
+                shard.local.grad = grad.to(shard.local.dtype).mul_(factor)
+            if clip_value is not None:
+                shard.local.grad.clamp_(-clip_value, clip_value)
+
+    def finish_step(self) -> None:
+        """Drop the fp32 gradient copies made for fp32 masters."""
+        for shard in self.shards:
+            if shard.grad is not None and shard.grad.dtype != shard.local.dtype:
+                shard.local.grad = None
 
     @torch.no_grad()
     def gather_params(self) -> None:

@@ -63,7 +63,7 @@ class Unit:
         if self.layout is None:
             self.state = UnitState.UNSHARDED
             return
-        first = self.shards[0].local
+        first = self.shards[0].full
         buffer = torch.empty(self.layout.full_numel, dtype=first.dtype, device=first.device)
         own_segment = buffer.view(self.comms.world_size, -1)[self.comms.rank]
         with torch.no_grad():
@@ -80,7 +80,7 @@ class Unit:
         buffer, handle = self._pending
         self._pending = None
         handle.wait()
-        first = self.shards[0].local
+        first = self.shards[0].full
         unsharded = torch.empty(self.layout.unpadded_numel, dtype=first.dtype, device=first.device)
         views = unsharded.split([s.spec.numel for s in self.shards])
         with torch.no_grad():
@@ -97,7 +97,7 @@ class Unit:
             self.wait_unshard()
         if self.state is UnitState.UNSHARDED:
             for shard in self.shards:
-                shard.full.data = _empty_like(shard.local)
+                shard.full.data = _empty_like(shard.full)
         self.state = UnitState.SHARDED
 
     def on_grad_accumulated(self) -> None:

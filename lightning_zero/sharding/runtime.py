@@ -29,6 +29,7 @@ class ZeroRuntime:
     """Shards ``module``'s parameters, reduces its gradients, gathers them on use (stage 3), shards the optimizers.
 
     ``detached`` (stage 3 only) gives the full shape and local rows of parameters already freed by large-model init.
+    ``working_dtype`` (mixed precision) makes the module's parameters 16-bit and the optimizer's shards fp32 masters.
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class ZeroRuntime:
         config: ZeroConfig,
         comms: Collectives,
         detached: dict[nn.Parameter, tuple[torch.Size, Tensor]] | None = None,
+        working_dtype: torch.dtype | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -46,10 +48,17 @@ class ZeroRuntime:
             named = [(n, p) for n, p in module.named_parameters() if detached[p][0].numel() > 0]
         else:
             named = [(n, p) for n, p in module.named_parameters() if p.numel() > 0]
-        self.shards: list[ParamShard] = shard_parameters(named, comms.rank, comms.world_size, detached)
+        master = torch.float32 if working_dtype is not None else None
+        self.shards: list[ParamShard] = shard_parameters(named, comms.rank, comms.world_size, detached, master)
+        if working_dtype is not None:
+            _cast_full_parameters(self.shards, working_dtype)
         self._shard_of = {s.full: s for s in self.shards}
         self.reducer = _REDUCERS[config.stage](
-            self.shards, comms, config.bucket_bytes, find_unused_parameters=config.find_unused_parameters
+            self.shards,
+            comms,
+            config.bucket_bytes,
+            find_unused_parameters=config.find_unused_parameters,
+            reduce_dtype=config.reduce_torch_dtype,
         )
         self.gatherer = self._make_gatherer() if config.stage == 3 else None
         self.optimizers: dict[int, ShardedOptimizer] = {}
@@ -122,6 +131,15 @@ class ZeroRuntime:
             unit.detach()
         for shard in self.shards:
             shard.local.data = shard.local.data.to(device)
+
+
+@torch.no_grad()
+def _cast_full_parameters(shards: list[ParamShard], dtype: torch.dtype) -> None:
+    """16-bit working parameters; their fp32 values live on in the masters (the local shards)."""
+    for shard in shards:
+        shard.full.data = shard.full.data.to(dtype)
+        if shard.local.dtype != torch.float32:
+            shard.local.data = shard.local.data.float()
 
 
 def _detach_local_rows(

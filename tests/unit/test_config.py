@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
-from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroConfigError, ZeroStrategy
+from lightning_zero.precision import ZeroPrecision
 
 
 @pytest.mark.parametrize(
@@ -58,11 +58,24 @@ def test_trainer_builds_the_strategy_from_its_name(name: str) -> None:
     assert trainer.strategy.config.stage == int(name[4])
 
 
-def test_fp16_mixed_is_refused_until_loss_scaling_is_sharded() -> None:
+@pytest.mark.parametrize("flag", ["bf16-true", "16-true", "64-true"])
+def test_unsupported_precision_is_refused_naming_the_allowed_ones(flag: str) -> None:
+    with pytest.raises(ValueError, match=f"precision='{flag}' is not supported by ZeroStrategy: allowed values are "
+                       "'32-true', 'bf16-mixed', '16-mixed'"):
+        pl.Trainer(strategy="zero2", accelerator="cpu", devices=1, precision=flag, logger=False)
+
+
+@pytest.mark.parametrize("flag,expected", [("32-true", "32-true"), ("bf16-mixed", "bf16-mixed")])
+def test_the_precision_flag_is_honoured(flag: str, expected: str) -> None:
+    for strategy in ("zero3", ZeroStrategy(stage=1)):
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=flag, logger=False)
+        assert isinstance(trainer.strategy.precision_plugin, ZeroPrecision)
+        assert trainer.strategy.precision_plugin.precision == expected
+
+
+def test_fp16_mixed_gets_sharded_loss_scaling() -> None:
     # On CPU Lightning turns precision="16-mixed" into bf16, so the fp16 plugin (as on CUDA) is passed explicitly.
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     strategy = ZeroStrategy(stage=2, precision_plugin=plugin)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
-    model = BoringModel()
-    with pytest.raises(ValueError, match="precision='16-mixed' needs fp16 loss scaling"):
-        trainer.fit(model)
+    assert strategy.precision_plugin.precision == "16-mixed"
+    assert strategy.precision_plugin.scaler is not None and strategy.precision_plugin.scaler.scale == 2.0**16
