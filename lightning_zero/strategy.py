@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero import checkpoint as ckpt
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
@@ -96,6 +97,8 @@ class ZeroStrategy(DDPStrategy):
         self._runtime: ZeroRuntime | None = None
         self._comm_stats = CommStats()
         self._init_rng_state: Tensor | None = None
+        self._device_mesh = None
+        self._loaded_sharded = False
 
     @property
     @override
@@ -267,23 +270,113 @@ class ZeroStrategy(DDPStrategy):
         self._runtime.after_optimizer_step(inner)
         return output
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints are loaded into the shards, so after they exist."""
+        return True
+
+    def _mesh(self):
+        if self._device_mesh is None:
+            self._device_mesh = self._collectives().device_mesh()
+        return self._device_mesh
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights (stage 3 gathers them; every rank takes part)."""
+        """This rank's shards as DTensors, keyed by parameter name: no communication (see ``checkpoint.py``)."""
         assert self.lightning_module is not None
-        with self.gathered_parameters():
-            return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+        shards = self._runtime.shards if self._runtime is not None else None
+        return ckpt.model_tensors(self.lightning_module, shards, self._mesh() if shards else None)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state, gathered from the shards (all ranks take part; rank 0 writes it)."""
+        """This rank's optimizer state shards, keyed by parameter name."""
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if self._runtime is None:
-            return inner.state_dict()
-        return self._runtime.sharded(inner).consolidated_state_dict()
+            raise RuntimeError("ZeroStrategy has no sharded optimizer outside fit to save the state of")
+        return ckpt.optimizer_tensors(self._runtime.sharded(inner), self._mesh())
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint directory, every rank in parallel, atomically (see ``checkpoint.py``)."""
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy writes torch.distributed.checkpoint directories; storage_options is not used")
+        assert self.lightning_module is not None
+        tensors = {"model": checkpoint.pop("state_dict")}
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        if optimizer_states is not None:
+            tensors["optim"] = {str(i): state["state"] for i, state in enumerate(optimizer_states)}
+        keys, aliases = ckpt.state_dict_keys(self.lightning_module)
+        shapes = {s.name: tuple(s.spec.shape) for s in self._runtime.shards} if self._runtime is not None else {
+            n: tuple(p.shape) for n, p in self.lightning_module.named_parameters()
+        }
+        checkpoint[ckpt.FORMAT_KEY] = {
+            "version": 1,
+            "stage": self.config.stage,
+            "world_size": self.world_size,
+            "precision": self.precision_plugin.precision,
+            "shapes": shapes,
+            "aliases": aliases,
+            "state_dict_keys": keys,
+            "optimizer_param_groups": None if optimizer_states is None else [s["param_groups"] for s in optimizer_states],
+        }
+        ckpt.save(filepath, tensors, checkpoint, self._collectives())
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            ckpt.remove(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded checkpoint directory is read straight into the shards, each rank reading only its rows (at any
+        world size and stage); a single-file checkpoint (DDP, single device, ``consolidate``) loads as usual."""
+        self._loaded_sharded = False
+        if not ckpt.is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        path, meta = ckpt.read_meta(checkpoint_path)
+        info = meta.pop(ckpt.FORMAT_KEY)
+        stored = ckpt.check_files(path)
+        shards = self._runtime.shards if self._runtime is not None else None
+        model = ckpt.model_tensors(self.lightning_module, shards, self._mesh() if shards else None)
+        ckpt.check_compatible({k: v.shape for k, v in model.items()}, stored, "model.")
+        tensors: dict[str, Any] = {"model": model}
+        groups = info["optimizer_param_groups"]
+        sharded = [self._runtime.sharded(o) for o in self.optimizers] if self._runtime is not None else []
+        if groups is not None and sharded:
+            if len(groups) != len(sharded):
+                raise ckpt.CheckpointError(
+                    f"the checkpoint has {len(groups)} optimizer(s), configure_optimizers returned {len(sharded)}"
+                )
+            tensors["optim"] = {
+                str(i): ckpt.optimizer_destinations(s, stored, f"optim.{i}.", self._mesh()) for i, s in enumerate(sharded)
+            }
+        comms = self._collectives()
+        ckpt.load(path, tensors, comms)
+        if self._runtime is not None:
+            self._runtime.refresh_full_parameters()
+        for i, s in enumerate(sharded if groups is not None else []):
+            ckpt.load_optimizer(s, tensors["optim"][str(i)], groups[i])
+        self._loaded_sharded = True
+        if groups is not None:
+            meta["optimizer_states"] = []  # restored above; present so that Lightning does not report it missing
+        meta["state_dict"] = {}
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._loaded_sharded:
+            return
+        if self._runtime is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._runtime.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._loaded_sharded:
+            self._loaded_sharded = False
+            return
         if self._runtime is None:
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -292,12 +385,15 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove the hooks and give the LightningModule its full parameters back (stage 3 gathers them unit by
-        unit); keep the sharded optimizers, so that a checkpoint saved after ``fit`` is still complete."""
+        """Remove the hooks and give the LightningModule its full trained parameters back, on the CPU, in the
+        optimizer's precision (stage 3 gathers them bucket by bucket); keep the sharded optimizers, so that a
+        checkpoint saved after ``fit`` is still complete."""
         if self._runtime is not None:
             self._runtime.remove_hooks()
             self._runtime.release(torch.device("cpu"))
         super().teardown()
+        if self._runtime is not None:
+            self._runtime.rebind_views()
 
     @classmethod
     @override

@@ -105,17 +105,16 @@ class Recorder(pl.Callback):
 
 
 def make_trainer(strategy, world_size: int, max_steps: int = 10, callbacks=(), **kwargs) -> pl.Trainer:
+    settings = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    ) | kwargs
     return pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=world_size,
         max_steps=max_steps,
         callbacks=list(callbacks),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
+        **settings,
     )
 
 
@@ -260,3 +259,18 @@ class TinyGAN(pl.LightningModule):
         g = torch.Generator().manual_seed(3)
         data = TensorDataset(torch.randn(256, 4, generator=g), torch.randn(256, 6, generator=g) * 0.5 + 1.0)
         return DataLoader(data, batch_size=4)
+
+
+class StepSeededLM(TinyLM):
+    """TinyLM whose batch is drawn from (global step, rank): a resumed run sees exactly the data of an uninterrupted
+    one, whatever Lightning's dataloader does on resume."""
+
+    def training_step(self, batch, batch_idx):
+        g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+        tokens = torch.randint(0, self.vocab, (4, SEQ), generator=g)
+        return super().training_step((tokens, None), batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -141,6 +141,17 @@ class Collectives:
         self.stats.record("all_reduce", 2 * nbytes * (n - 1) / n, 2 * nbytes * (n - 1) / n)
         dist.all_reduce(tensor, group=self.group)
 
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def device_mesh(self):
+        """A 1-D ``DeviceMesh`` over this group (for DTensor views of the shards in checkpoints)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
+        return DeviceMesh(self.device.type, ranks)
+
     def broadcast_(self, tensors: list[Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` in place with the values held by group rank ``src``."""
         if self.world_size == 1 or not tensors:

@@ -123,33 +123,9 @@ class ShardedOptimizer:
             if shard.grad is not None and shard.grad.dtype != shard.local.dtype:
                 shard.local.grad = None
 
-    @torch.no_grad()
     def gather_params(self) -> None:
         """All-gather every updated shard into its full parameter (stages 1 and 2), a bounded number at a time."""
-        in_flight: deque[tuple[list[ParamShard], FlatLayout, torch.Tensor, Handle]] = deque()
-        for bucket, layout in self._gather_buckets:
-            first = bucket[0].full
-            buffer = torch.empty(layout.full_numel, dtype=first.dtype, device=first.device)
-            own_segment = buffer.view(self.comms.world_size, -1)[self.comms.rank]
-            layout.pack_local([s.local for s in bucket], own_segment)
-            in_flight.append((bucket, layout, buffer, self.comms.all_gather_(buffer)))
-            if len(in_flight) > MAX_IN_FLIGHT:
-                _finish_gather(*in_flight.popleft())
-        while in_flight:
-            _finish_gather(*in_flight.popleft())
-
-    def consolidated_state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict with every per-element tensor gathered to its parameter's full shape.
-
-        It has the layout of the same optimizer built over the full parameters, so plain DDP, a single device or
-        ZeRO at any world size can load it. Every rank must call this (it communicates).
-        """
-        state_dict = self.optimizer.state_dict()
-        for index, shard in enumerate(self.shards):
-            for key, value in state_dict["state"].get(index, {}).items():
-                if _is_per_element(key, value, shard.spec.local_shape, shard):
-                    state_dict["state"][index][key] = self._gather_full(value, shard)
-        return state_dict
+        gather_into_full(self._gather_buckets, self.comms)
 
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full-shape optimizer state dict (as written by :meth:`consolidated_state_dict` or by DDP)."""
@@ -175,14 +151,20 @@ class ShardedOptimizer:
                 local_state[index][key] = value
         self.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
 
-    def _gather_full(self, local: torch.Tensor, shard: ParamShard) -> torch.Tensor:
-        layout = FlatLayout([shard.spec])
-        buffer = torch.empty(layout.full_numel, dtype=local.dtype, device=self.comms.device)
-        layout.pack_local([local], buffer.view(self.comms.world_size, -1)[self.comms.rank])
-        self.comms.all_gather_(buffer).wait()
-        full = torch.empty(shard.spec.shape, dtype=local.dtype, device=self.comms.device)
-        layout.unpack(buffer, [full])
-        return full.to(local.device)
+@torch.no_grad()
+def gather_into_full(buckets: list[tuple[list[ParamShard], FlatLayout]], comms: Collectives) -> None:
+    """Rebuild full parameters from every rank's local shard (cast to the parameters' dtype), bucket by bucket."""
+    in_flight: deque[tuple[list[ParamShard], FlatLayout, torch.Tensor, Handle]] = deque()
+    for bucket, layout in buckets:
+        first = bucket[0].full
+        buffer = torch.empty(layout.full_numel, dtype=first.dtype, device=first.device)
+        own_segment = buffer.view(comms.world_size, -1)[comms.rank]
+        layout.pack_local([s.local for s in bucket], own_segment)
+        in_flight.append((bucket, layout, buffer, comms.all_gather_(buffer)))
+        if len(in_flight) > MAX_IN_FLIGHT:
+            _finish_gather(*in_flight.popleft())
+    while in_flight:
+        _finish_gather(*in_flight.popleft())
 
 
 def _finish_gather(bucket: list[ParamShard], layout: FlatLayout, buffer: torch.Tensor, handle: Handle) -> None:

@@ -16,9 +16,9 @@ from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.collectives import Collectives
-from lightning_zero.sharding.flat_param import ParamShard, ShardSpec, shard_parameters
+from lightning_zero.sharding.flat_param import FlatLayout, ParamShard, ShardSpec, group_into_buckets, shard_parameters
 from lightning_zero.sharding.grad_hooks import FullGradReducer, GradReducer, ShardGradReducer
-from lightning_zero.sharding.optimizer import ShardedOptimizer
+from lightning_zero.sharding.optimizer import ShardedOptimizer, gather_into_full
 from lightning_zero.sharding.param_hooks import ParamGatherer, Unit, free_full_parameter
 from lightning_zero.sharding.units import plan_units
 
@@ -43,6 +43,7 @@ class ZeroRuntime:
         self.module = module
         self.config = config
         self.comms = comms
+        self.working_dtype = working_dtype
         if config.stage == 3:
             detached = _detach_local_rows(module, comms, detached or {})
             named = [(n, p) for n, p in module.named_parameters() if detached[p][0].numel() > 0]
@@ -114,23 +115,65 @@ class ZeroRuntime:
         if self.gatherer is not None:
             self.gatherer.remove()
 
+    def refresh_full_parameters(self) -> None:
+        """After the shards were loaded: stages 1 and 2 rebuild the full parameters from them (stage 3 gathers on
+        use)."""
+        if self.gatherer is None:
+            buckets = group_into_buckets(self.shards, self.config.bucket_bytes)
+            gather_into_full([(b, FlatLayout([s.spec for s in b])) for b in buckets], self.comms)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
+        """Load full tensors (a DDP or single-device checkpoint) into the shards: each rank copies its own rows."""
+        names = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        buffers = {k: v for k, v in self.module.state_dict(keep_vars=True).items() if k not in names}
+        expected = names | set(buffers)
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"state_dict does not match the model: missing {missing}, unexpected {unexpected}")
+        for shard in self.shards:
+            value = state_dict.get(shard.name)
+            if value is None:
+                continue
+            if value.shape != shard.spec.shape:
+                raise RuntimeError(
+                    f"{shard.name}: the state_dict has shape {tuple(value.shape)}, the model {tuple(shard.spec.shape)}"
+                )
+            shard.local.copy_(shard.spec.local_view(value.contiguous()))
+        for name, buffer in buffers.items():
+            if name in state_dict and torch.is_tensor(buffer):
+                buffer.copy_(state_dict[name])
+        self.refresh_full_parameters()
+
+    @property
+    def shards_are_views(self) -> bool:
+        """fp32 stages 1 and 2: each local shard is a view of its full parameter's rows."""
+        return self.gatherer is None and self.working_dtype is None
+
     @torch.no_grad()
     def release(self, device: torch.device) -> None:
-        """End of fit: the module gets its full parameters back, on ``device``; the optimizer keeps the shards.
-
-        Stage 3 gathers unit by unit, so the accelerator never holds more than one unit in full.
-        """
-        if self.gatherer is None:
-            for shard in self.shards:
-                shard.local.data = shard.spec.local_view(shard.full.detach())
-            return
-        for unit in [self.gatherer.root] + self.gatherer.units:
-            unit.wait_unshard()
-            for shard in unit.shards:
-                shard.full.data = shard.full.detach().to(device, copy=True)
-            unit.detach()
+        """End of fit: the module gets its full parameters back on ``device`` in the optimizer's precision (the fp32
+        masters under mixed precision), bucket by bucket, so the accelerator never holds more than two buckets in
+        full; the optimizer keeps its shards, moved to ``device`` as well."""
+        if self.gatherer is not None:
+            for unit in [self.gatherer.root] + self.gatherer.units:
+                unit.detach()
+        if self.shards_are_views:
+            return  # already full; Lightning moves the module, then ``rebind_views``
+        for bucket in group_into_buckets(self.shards, self.config.bucket_bytes):
+            for shard in bucket:
+                shard.full.data = torch.empty(shard.spec.shape, dtype=shard.local.dtype, device=shard.local.device)
+            gather_into_full([(bucket, FlatLayout([s.spec for s in bucket]))], self.comms)
+            for shard in bucket:
+                shard.full.data = shard.full.data.to(device)
         for shard in self.shards:
             shard.local.data = shard.local.data.to(device)
+
+    def rebind_views(self) -> None:
+        """fp32 stages 1 and 2, after the module moved: point each shard at its parameter's rows again."""
+        if self.shards_are_views:
+            for shard in self.shards:
+                shard.local.data = shard.spec.local_view(shard.full.detach())
 
 
 @torch.no_grad()

@@ -1,0 +1,306 @@
+"""ZeroMonitor: what a run costs per rank, for any data-parallel strategy.
+
+Per training step it measures the model-state bytes each rank holds (parameters, gradients, optimizer states, counted
+from the tensors by ``lightning_zero.memory``), the bytes the strategy's collectives moved (``strategy.comm_stats``,
+when the strategy keeps one) and the throughput; it logs them through ``pl_module.log`` to whatever logger the Trainer
+has, and sets them against the memory model of ``estimate.py``: what this option should hold, and what DDP would.
+
+[Note: where the report comes from]
+Every rank measures; at the end of training rank 0 owns the summary (the memory figures are the largest over ranks).
+With the ``popen`` start method rank 0 is the launching process, so ``report()`` reads the summary it measured. With
+``fork`` or ``spawn`` the launching process only waits for the workers and runs no callback, so rank 0 also writes
+the summary to ``summary_file`` and ``report()`` in the launching process reads it from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_zero import estimate
+from lightning_zero.config import ZeroConfig
+from lightning_zero.memory import ModelStateBytes, model_state_bytes
+
+_DDP_PRECISION = "32-true"  # DDP's figure is reported in fp32-Adam terms whatever the run's precision (16Ψ)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step on this rank: wall time, bytes moved by the strategy, tokens (or samples) consumed."""
+
+    seconds: float
+    comm_bytes: int | None
+    items: int
+
+
+@dataclass(frozen=True)
+class MonitorSummary:
+    """The figures of one run. Memory is the largest over ranks; ``(params, grads, optimizer)`` byte triples."""
+
+    option: str | None
+    precision: str
+    world_size: int
+    steps: int
+    num_params: int
+    trainable_params: int
+    held: tuple[int, int, int]
+    predicted: tuple[int, int, int] | None
+    bucket_bytes: int
+    ddp: tuple[int, int, int]
+    comm_bytes_per_step: int | None
+    ideal_comm_bytes_per_step: int | None
+    throughput: float | None
+    throughput_unit: str
+    steps_timed: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> MonitorSummary:
+        raw = json.loads(text)
+        for key in ("held", "predicted", "ddp"):
+            if raw[key] is not None:
+                raw[key] = tuple(raw[key])
+        return cls(**raw)
+
+
+class ZeroMonitor(pl.Callback):
+    """Logs per-rank model-state bytes, communication bytes per step and throughput; ``report()`` sums them up.
+
+    Args:
+        summary_file: where rank 0 writes the summary as JSON at the end of training (see
+            [Note: where the report comes from]); ``None`` keeps it in memory only.
+    """
+
+    def __init__(self, summary_file: str | None = None) -> None:
+        self.summary_file = Path(summary_file) if summary_file is not None else None
+        self.summary: MonitorSummary | None = None
+        self._steps: list[StepRecord] = []
+        self._held: tuple[int, int, int] | None = None
+        self._step_start: tuple[float, int | None] | None = None
+        self._items = 0
+        self._last_global_step = 0
+        self._unit = "samples/s"
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.summary, self._steps, self._held = None, [], None
+        self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._step_start is None:
+            _synchronize(trainer)
+            self._step_start = (time.perf_counter(), _comm_total(trainer))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        items, self._unit = _count_items(batch)
+        self._items += items
+        if trainer.global_step == self._last_global_step or self._step_start is None:
+            return  # accumulating gradients: the optimizer step has not happened yet
+        _synchronize(trainer)
+        started, comm_at_start = self._step_start
+        comm_now = _comm_total(trainer)
+        comm = comm_now - comm_at_start if comm_now is not None and comm_at_start is not None else None
+        step = StepRecord(time.perf_counter() - started, comm, self._items)
+        self._steps.append(step)
+        self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
+        held = _held_bytes(trainer, pl_module)
+        if self._held is None:  # optimizer states exist from the first step on; one gather is enough
+            self._held = _largest_over_ranks(trainer, pl_module, held)
+        self._log(pl_module, held, step, trainer.world_size)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._steps or self._held is None:
+            return
+        self.summary = _summarize(trainer, pl_module, self._held, self._steps, self._unit)
+        self._write_summary()
+
+    def report(self) -> str:
+        """The run's figures as a few lines of text, in the process that launched the run too."""
+        summary = self.summary
+        if summary is None and self.summary_file is not None and self.summary_file.is_file():
+            summary = MonitorSummary.from_json(self.summary_file.read_text())
+        if summary is None:
+            return "ZeroMonitor: no training step was measured"
+        return format_report(summary)
+
+    @rank_zero_only
+    def _write_summary(self) -> None:
+        if self.summary_file is not None and self.summary is not None:
+            self.summary_file.parent.mkdir(parents=True, exist_ok=True)
+            self.summary_file.write_text(self.summary.to_json())
+
+    def _log(self, pl_module: pl.LightningModule, held: ModelStateBytes, step: StepRecord, world_size: int) -> None:
+        figures = {
+            "zero/params_bytes": held.params,
+            "zero/grads_bytes": held.grads,
+            "zero/optimizer_bytes": held.optimizer,
+            "zero/model_state_bytes": held.total,
+            f"zero/{self._unit.replace('/', '_per_')}": step.items * world_size / step.seconds,
+        }
+        if step.comm_bytes is not None:
+            figures["zero/comm_bytes_per_step"] = step.comm_bytes
+        pl_module.log_dict({k: float(v) for k, v in figures.items()}, on_step=True, on_epoch=False)
+
+
+def format_report(s: MonitorSummary) -> str:
+    fmt = estimate.format_bytes
+    option = s.option or "unknown strategy"
+    trainable = "" if s.trainable_params == s.num_params else f", {s.trainable_params:,} trainable"
+    lines = [
+        f"ZeroMonitor: {option} on {s.world_size} rank(s), {s.steps} steps, precision {s.precision}, "
+        f"{s.num_params:,} parameters{trainable}",
+        f"  {'model states per rank':<22}{'measured':>14}{'model (' + option + ')':>18}{'DDP would hold':>18}",
+    ]
+    predicted = s.predicted or (None, None, None)
+    rows = zip(("params", "grads", "optimizer"), s.held, predicted, s.ddp)
+    for name, held, model, ddp in rows:
+        lines.append(f"  {name:<22}{fmt(held):>14}{_maybe(model, fmt):>18}{fmt(ddp):>18}")
+    model_total = sum(s.predicted) if s.predicted else None
+    lines.append(f"  {'total':<22}{fmt(sum(s.held)):>14}{_maybe(model_total, fmt):>18}{fmt(sum(s.ddp)):>18}")
+    lines.append(
+        f"  measured / DDP: {sum(s.held) / sum(s.ddp):.2f}x"
+        + (f"; plus up to {fmt(s.bucket_bytes)} of communication buckets" if s.bucket_bytes else "")
+    )
+    if s.comm_bytes_per_step is None:
+        lines.append("  communication per step: not counted (the strategy keeps no comm_stats)")
+    else:
+        ideal = s.ideal_comm_bytes_per_step
+        versus = f" (model: {fmt(ideal)}, ratio {s.comm_bytes_per_step / ideal:.2f})" if ideal else ""
+        lines.append(f"  communication per step and rank: {fmt(s.comm_bytes_per_step)}{versus}")
+    if s.throughput is not None:
+        lines.append(
+            f"  throughput: {s.throughput:,.0f} {s.throughput_unit} over all ranks "
+            f"(median step of {s.steps_timed} timed)"
+        )
+    return "\n".join(lines)
+
+
+def _summarize(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    held: tuple[int, int, int],
+    steps: list[StepRecord],
+    unit: str,
+) -> MonitorSummary:
+    option = option_of(trainer.strategy)
+    precision = str(trainer.precision)
+    n = trainer.world_size
+    num_params, trainable = _parameter_counts(pl_module)
+    model = None
+    bucket_bytes = 0
+    if option is not None and precision in estimate.PRECISIONS:
+        bucket_mb = trainer.strategy.config.bucket_mb if option.startswith("zero") else 0.0
+        e = estimate.estimate(option, num_params, n, precision, bucket_mb, trainable)
+        model, bucket_bytes = (e.params, e.grads, e.optimizer), e.buckets
+    ddp = estimate.estimate("ddp", num_params, n, _DDP_PRECISION, 0.0, trainable)
+    # The first step pays one-off costs (allocating optimizer states and buffers): time the later ones when any.
+    timed = steps[1:] or steps
+    comm = [s.comm_bytes for s in timed if s.comm_bytes is not None]
+    element_bytes = next((p.element_size() for p in pl_module.parameters() if p.requires_grad), 4)
+    ideal = (
+        estimate.communication_bytes(option, num_params, n, element_bytes, trainable)
+        if option is not None and comm
+        else None
+    )
+    return MonitorSummary(
+        option=option,
+        precision=precision,
+        world_size=n,
+        steps=len(steps),
+        num_params=num_params,
+        trainable_params=trainable,
+        held=held,
+        predicted=model,
+        bucket_bytes=bucket_bytes,
+        ddp=(ddp.params, ddp.grads, ddp.optimizer),
+        comm_bytes_per_step=int(statistics.median(comm)) if comm else None,
+        ideal_comm_bytes_per_step=ideal,
+        throughput=statistics.median(s.items * n / s.seconds for s in timed),
+        throughput_unit=unit,
+        steps_timed=len(timed),
+    )
+
+
+def option_of(strategy: pl.strategies.Strategy) -> str | None:
+    """``"ddp"``, ``"zero1"``..``"zero3"`` for the strategies the memory model knows, else ``None``."""
+    config = getattr(strategy, "config", None)
+    if isinstance(config, ZeroConfig):
+        return f"zero{config.stage}"
+    if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+        return "ddp"
+    return None
+
+
+def _parameter_counts(pl_module: pl.LightningModule) -> tuple[int, int]:
+    """Unsharded counts: what the module recorded when it built its network, else what it holds now."""
+    total = getattr(pl_module, "num_parameters", None)
+    trainable = getattr(pl_module, "num_trainable_parameters", None)
+    if total is None:
+        params = list(pl_module.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+    return total, total if trainable is None else trainable
+
+
+def _held_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ModelStateBytes:
+    counter = getattr(trainer.strategy, "model_state_bytes", None)
+    if callable(counter):  # a ZeRO strategy also counts gradient storage held outside ``.grad``
+        return counter()
+    return model_state_bytes(pl_module, trainer.optimizers)
+
+
+def _largest_over_ranks(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, held: ModelStateBytes
+) -> tuple[int, int, int]:
+    local = torch.tensor([held.params, held.grads, held.optimizer], dtype=torch.int64, device=pl_module.device)
+    largest = trainer.strategy.reduce(local, reduce_op="max")
+    return tuple(int(v) for v in largest.tolist())
+
+
+def _comm_total(trainer: pl.Trainer) -> int | None:
+    stats = getattr(trainer.strategy, "comm_stats", None)
+    return stats.total_bytes if stats is not None else None
+
+
+def _count_items(batch: Any) -> tuple[int, str]:
+    """Tokens in the first integer tensor of the batch (token ids), else samples in its first tensor."""
+    tensors = _tensors(batch)
+    for t in tensors:
+        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            return t.numel(), "tokens/s"
+    return (len(tensors[0]) if tensors and tensors[0].ndim else 1), "samples/s"
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in _tensors(item)]
+    return []
+
+
+def _synchronize(trainer: pl.Trainer) -> None:
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _maybe(value: int | None, fmt: Any) -> str:
+    return "n/a" if value is None else fmt(value)

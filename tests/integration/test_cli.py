@@ -1,0 +1,291 @@
+"""`lightning-zero` end to end: train (in-process with forked ranks, and as a real command), estimate, bad input.
+
+In-process runs use ``strategy.start_method=fork``: the ``popen`` launcher re-runs ``sys.argv``, which inside pytest
+is pytest itself. The ``popen`` path is covered by the subprocess tests, which run ``python -m lightning_zero.cli``.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_zero.cli import CONF_DIR, main
+from lightning_zero.models import GPTConfig
+from lightning_zero.monitor import MonitorSummary
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_GPT = GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=32)
+TINY = [
+    "model=gpt_tiny",
+    "seq_len=32",
+    "data.batch_size=4",
+    "data.max_bytes=60000",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+]
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def train_in_process(run_dir: Path, *overrides: str) -> int:
+    return main(["train", *TINY, "strategy.start_method=fork", f"hydra.run.dir={run_dir}", *overrides])
+
+
+def summary_of(run_dir: Path) -> MonitorSummary:
+    return MonitorSummary.from_json((run_dir / "zero_monitor.json").read_text())
+
+
+def run_command(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_zero.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ training
+
+
+@pytest.mark.parametrize(
+    ("strategy", "vs_ddp"),
+    # Model states per rank against DDP's 16Ψ in fp32 on 2 ranks: zero1 (8 + 8/2)/16, zero2 (4 + 12/2)/16, zero3 8/16.
+    [("ddp", 1.0), ("zero1", 0.75), ("zero2", 0.625), ("zero3", 0.5)],
+)
+def test_train_reports_memory_and_communication(tmp_path, capfd, strategy, vs_ddp):
+    assert train_in_process(tmp_path, f"strategy={strategy}") == 0
+    out = capfd.readouterr().out
+    assert f"Run report: {strategy} on 2 x cpu, precision 32-true" in out
+    assert "val_loss" in out and "val_ppl" in out
+
+    psi = TINY_GPT.num_parameters
+    s = summary_of(tmp_path)
+    assert (s.option, s.world_size, s.steps, s.num_params) == (strategy, 2, 3, psi)
+    assert s.ddp == (4 * psi, 4 * psi, 8 * psi)
+    for measured, modelled in zip(s.held, s.predicted):  # the Adam `step` counters are the only extra
+        assert modelled <= measured <= modelled * 1.01
+    assert sum(s.held) / sum(s.ddp) == pytest.approx(vs_ddp, rel=0.01)
+    assert float(re.search(r"measured / DDP: ([\d.]+)x", out).group(1)) == pytest.approx(vs_ddp, abs=0.006)
+    assert s.throughput > 0 and s.throughput_unit == "tokens/s"
+    if strategy == "ddp":
+        assert s.comm_bytes_per_step is None  # DDPStrategy keeps no byte accounting
+        return
+    # Per step, 2Ψ(N-1)/N fp32 elements for zero1/2 (reduce-scatter gradients, all-gather parameters) and up to
+    # 3Ψ(N-1)/N for zero3, which also gathers parameters again for backward unless a unit stays gathered.
+    assert s.ideal_comm_bytes_per_step == (6 if strategy == "zero3" else 4) * psi
+    low = 4 * psi
+    assert low * 0.99 <= s.comm_bytes_per_step <= s.ideal_comm_bytes_per_step * 1.02
+    with open(next(tmp_path.glob("lightning_logs/version_*/metrics.csv"))) as f:
+        logged = [float(r["zero/comm_bytes_per_step"]) for r in csv.DictReader(f) if r["zero/comm_bytes_per_step"]]
+    assert logged and logged[-1] == pytest.approx(s.comm_bytes_per_step, rel=1e-6)
+
+
+def _report_losses(out: str) -> dict[str, float]:
+    line = next(line for line in out.splitlines() if line.startswith("  train_loss"))
+    return dict(zip(line.split()[::2], map(float, line.split()[1::2])))
+
+
+def test_zero3_trains_like_ddp(tmp_path, capfd):
+    losses = {}
+    for strategy, extra in (("ddp", []), ("zero3", ["strategy.units=[Block]"])):
+        assert train_in_process(tmp_path / strategy, f"strategy={strategy}", *extra) == 0
+        losses[strategy] = _report_losses(capfd.readouterr().out)
+    assert losses["zero3"]["train_loss"] == pytest.approx(losses["ddp"]["train_loss"], rel=1e-5)
+    assert losses["zero3"]["val_loss"] == pytest.approx(losses["ddp"]["val_loss"], rel=1e-5)
+
+
+def test_validation_perplexity_is_exp_of_loss(tmp_path, capfd):
+    assert train_in_process(tmp_path) == 0
+    values = _report_losses(capfd.readouterr().out)
+    assert values["val_ppl"] == pytest.approx(2.718281828 ** values["val_loss"], rel=1e-3)
+    assert 4.0 < values["val_loss"] < 6.0  # ln(256) = 5.55 for a model that has barely started
+
+
+def test_auto_strategy_picks_the_least_complex_option_that_fits(tmp_path, capfd):
+    # Tiny GPT, 2 ranks, 10 KiB buckets: ddp needs 16Ψ = 604,160 B, zero1 12Ψ + 10,485 = 463,605 B.
+    assert train_in_process(tmp_path, "strategy=auto", "strategy.bucket_mb=0.01", "strategy.budget_gb=0.00045") == 0
+    captured = capfd.readouterr()
+    assert "strategy=auto chose zero1: the least complex option that fits" in captured.err
+    assert summary_of(tmp_path).option == "zero1"
+
+
+def test_command_line_launches_ranks_with_popen_into_one_output_directory(tmp_path):
+    result = run_command("train", *TINY, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Run report: zero3 on 2 x cpu" in result.stdout
+    assert result.stdout.count("Run report") == 1  # printed by rank 0 only
+    run = tmp_path / "run"
+    assert {"train.log", "train_ddp_process_1.log", "zero_monitor.json"} <= {p.name for p in run.iterdir()}
+    assert summary_of(run).world_size == 2
+    assert not (tmp_path / "outputs").exists()
+
+
+# ------------------------------------------------------------------------------------------------------- recipes
+
+RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+
+
+def test_recipes_are_linked_at_the_repository_root():
+    assert sorted(p.stem for p in (REPO / "recipes").glob("*.yaml")) == RECIPES
+    assert (REPO / "conf" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "strategy", "model"),
+    [
+        ("gpt_small_zero3", 3, "lightning_zero.models.GPTConfig"),
+        ("hf_llama_finetune", 2, "lightning_zero.models.hf.HFModelConfig"),
+        ("gpt_large_zero3", 3, "lightning_zero.models.GPTConfig"),
+    ],
+)
+def test_recipe_composes(recipe, strategy, model):
+    from hydra import compose, initialize_config_dir
+
+    from lightning_zero.cli import _register_resolvers
+
+    _register_resolvers()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"recipe={recipe}"])
+    assert cfg.strategy.stage == strategy
+    assert cfg.model.model_config._target_ == model
+
+
+def _recipe_cases():
+    needs_hf = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="optional extra `hf` (transformers) not installed")
+    return [
+        pytest.param("gpt_small_zero3", []),
+        pytest.param("hf_llama_finetune", [], marks=needs_hf),
+        # 85M parameters: tens of seconds per step on 2 CPU cores.
+        pytest.param("gpt_large_zero3", ["seq_len=64", "data.batch_size=1"], marks=pytest.mark.slow),
+    ]
+
+
+@pytest.mark.parametrize(("recipe", "extra"), _recipe_cases())
+def test_recipe_trains(tmp_path, capfd, recipe, extra):
+    overrides = [o for o in TINY if not o.startswith(("model=", "seq_len=", "data.batch_size"))]
+    rc = main(["train", f"recipe={recipe}", *overrides, *extra, "trainer.max_steps=2", "trainer.val_check_interval=2",
+               "strategy.start_method=fork", f"hydra.run.dir={tmp_path}"])
+    assert rc == 0, capfd.readouterr().err[-3000:]
+    s = summary_of(tmp_path)
+    assert s.steps == 2 and s.option is not None
+    for measured, modelled in zip(s.held, s.predicted):
+        assert modelled <= measured <= modelled * 1.05
+
+
+def test_hf_recipe_without_transformers_fails_cleanly(tmp_path, capfd, monkeypatch):
+    import importlib.util as util
+
+    find_spec = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name, *a))
+    assert main(["train", "recipe=hf_llama_finetune", f"hydra.run.dir={tmp_path}"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err == (
+        "lightning-zero train: error: model.model_config.model_type='llama' needs the optional dependency "
+        "transformers: pip install 'lightning_zero[hf]'"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- bad input
+
+BAD_INPUT = [
+    ("strategy.stage=5", "strategy.stage=5 is invalid: allowed values are 1, 2 or 3"),
+    ("strategy.bucket_mb=0", "strategy.bucket_mb=0 is invalid: it must be a number of MiB > 0"),
+    ("strategy.bucket_mb=-1", "strategy.bucket_mb=-1 is invalid: it must be a number of MiB > 0"),
+    ("trainer.precision=fp17", "trainer.precision='fp17' is invalid: allowed values are 32-true, bf16-mixed, 16-mixed"),
+    ("strategy=zero5", "strategy=zero5 is not an option: allowed values are auto, ddp, zero1, zero2, zero3"),
+    ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_llama"),
+    ("recipe=nope", "recipe=nope is not an option: allowed values are gpt_large_zero3, gpt_small_zero3"),
+    ("strategy.bucket_m=1", "strategy.bucket_m is not a field of strategy: allowed fields are stage, bucket_mb,"),
+    ("trainer.max_stepz=1", "trainer.max_stepz is not a field of trainer: allowed fields are accelerator, devices,"),
+    ("strateg=zero2", "strateg is not a config group or field: allowed fields are data, model, monitor, recipe,"),
+    ("+strategy.foo=1", "strategy.foo is not a parameter of lightning_zero.ZeroStrategy: allowed fields are stage,"),
+    ("model.model_config.n_head=3", "model.model_config.n_head=3 is invalid for d_model=128"),
+    ("model.frozen=[nope]", "model.frozen='nope' matches no parameter: parameter names start with blocks, ln_f"),
+    ("data.max_bytes=10", "data.max_bytes=10 is too small for seq_len=128 and val_fraction=0.05"),
+    ("strategy=auto strategy.budget_gb=0.001", "strategy=auto: nothing fits: zero"),
+    ("strategy.stage=[1", "cannot parse the overrides:"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_INPUT)
+def test_bad_input_fails_with_one_line_before_any_launch(tmp_path, capfd, override, message):
+    run_dir = tmp_path / "run"
+    assert main(["train", *override.split(), f"hydra.run.dir={run_dir}"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err.startswith(f"lightning-zero train: error: {message}")
+    assert len(err.splitlines()) == 1
+    assert not run_dir.exists()  # failed before Hydra made the run directory, so before any rank started
+
+
+def test_bad_trainer_argument_fails_with_one_line(tmp_path, capfd):
+    assert main(["train", "trainer.devices=0", f"hydra.run.dir={tmp_path}"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err == (
+        "lightning-zero train: error: trainer: `Trainer(devices=0)` value is not a valid input using cpu accelerator."
+    )
+
+
+def test_bad_input_from_the_real_command_has_no_traceback(tmp_path):
+    result = run_command("train", "strategy.stage=5", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "lightning-zero train: error: strategy.stage=5 is invalid: allowed values are 1, 2 or 3"
+    )
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_train_help_lists_the_config_groups(capfd):
+    assert main(["train", "--help"]) == 0
+    out = capfd.readouterr().out
+    assert "strategy: auto, ddp, zero1, zero2, zero3" in out
+    assert "recipe: gpt_large_zero3, gpt_small_zero3, hf_llama_finetune" in out
+
+
+# ------------------------------------------------------------------------------------------------------ estimate
+
+
+def test_estimate_table_and_recommendation(capfd):
+    budget_gb = str(12000 / 2**30)
+    assert main(["estimate", "--params", "1000", "--ranks", "4", "--bucket-mb", "0", "--budget-gb", budget_gb]) == 0
+    out = capfd.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out if line.startswith(("ddp", "zero"))}
+    # total column (bytes, shown with a unit) and the fit column: 16000, 10000, 7000, 4000 bytes against 12000.
+    assert rows["ddp"][-3:] == ["15.62", "KiB", "no"]
+    assert rows["zero1"][-3:] == ["9.77", "KiB", "yes"]
+    assert rows["zero3"][-3:] == ["3.91", "KiB", "yes"]
+    assert out[-1] == "recommendation: zero1: the least complex option that fits (9.77 KiB of 11.72 KiB per rank)"
+
+
+def test_estimate_from_a_model_config(capfd):
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "2", "--budget-gb", "1"]) == 0
+    out = capfd.readouterr().out
+    assert out.startswith(f"model gpt_small ({GPTConfig().num_parameters:,} parameters), 2 ranks, precision 32-true")
+    assert "recommendation: ddp:" in out
+
+
+def test_estimate_says_when_nothing_fits(capfd):
+    assert main(["estimate", "--params", "70B", "--ranks", "8", "--precision", "bf16-mixed", "--budget-gb", "80"]) == 0
+    last = capfd.readouterr().out.splitlines()[-1]
+    assert last == (
+        "recommendation: nothing fits: zero3 needs 130.41 GiB per rank on 8 ranks, the budget is 80.00 GiB; "
+        "zero3 fits on 14 ranks or more"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "7Q"], "params='7Q' is invalid: give a count like 350000, 125M, 1.3B or 7e9"),
+        (["--params", "7B", "--ranks", "0"], "ranks=0 is invalid: it must be an integer >= 1"),
+        (["--model", "nope"], "model=nope is not an option: allowed values are gpt_large, gpt_small, gpt_tiny"),
+        (["--params", "7B", "--budget-gb", "0"], "--budget-gb=0.0 is invalid: it must be a number of GiB > 0"),
+    ],
+)
+def test_estimate_bad_input(capfd, args, message):
+    assert main(["estimate", *args]) == 2
+    assert capfd.readouterr().err.strip().startswith(f"lightning-zero estimate: error: {message}")

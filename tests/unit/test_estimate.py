@@ -1,0 +1,140 @@
+"""The memory model against numbers computed by hand from the ZeRO paper's formulas (Ψ = 1000 unless said)."""
+
+import pytest
+
+from lightning_zero import estimate
+from lightning_zero.estimate import EstimateError, MemoryEstimate
+
+PSI = 1000
+
+
+def _kinds(e: MemoryEstimate) -> tuple[int, int, int, int]:
+    return e.params, e.grads, e.optimizer, e.total
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ("ddp", (4000, 4000, 8000, 16000)),  # 16Ψ
+        ("zero1", (4000, 4000, 2000, 10000)),  # 8Ψ + 8Ψ/4
+        ("zero2", (4000, 1000, 2000, 7000)),  # 4Ψ + 12Ψ/4
+        ("zero3", (1000, 1000, 2000, 4000)),  # 16Ψ/4
+    ],
+)
+def test_fp32_on_four_ranks(option, expected):
+    assert _kinds(estimate.estimate(option, PSI, 4, "32-true", bucket_mb=0)) == expected
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ("ddp", (2000, 2000, 12000, 16000)),  # 16Ψ
+        ("zero1", (2000, 2000, 3000, 7000)),  # 4Ψ + 12Ψ/4
+        ("zero2", (2000, 500, 3000, 5500)),  # 2Ψ + 14Ψ/4
+        ("zero3", (500, 500, 3000, 4000)),  # 16Ψ/4
+    ],
+)
+def test_mixed_precision_on_four_ranks(precision, option, expected):
+    assert _kinds(estimate.estimate(option, PSI, 4, precision, bucket_mb=0)) == expected
+
+
+def test_buckets_are_added_to_zero_options_only():
+    million = 10**6
+    assert estimate.estimate("ddp", million, 4, bucket_mb=1).buckets == 0
+    zero2 = estimate.estimate("zero2", million, 4, bucket_mb=1)
+    assert zero2.buckets == 1_048_576
+    assert zero2.model_states == 7 * million
+    assert zero2.total == 7 * million + 1_048_576
+
+
+def test_a_bucket_is_never_larger_than_all_parameters():
+    assert estimate.estimate("zero2", PSI, 4, "32-true", bucket_mb=1).buckets == 4000
+    assert estimate.estimate("zero3", PSI, 4, "bf16-mixed", bucket_mb=1).buckets == 2000
+
+
+def test_uneven_shards_count_the_largest():
+    # 1001 fp32 elements on 4 ranks: the largest shard holds ceil(1001/4) = 251 elements.
+    assert _kinds(estimate.estimate("zero3", 1001, 4, bucket_mb=0)) == (1004, 1004, 2008, 4016)
+
+
+def test_frozen_parameters_hold_no_gradient_nor_optimizer_state():
+    e = estimate.estimate("zero2", PSI, 2, bucket_mb=0, trainable_params=250)
+    assert _kinds(e) == (4000, 500, 1000, 5500)
+
+
+def test_one_rank_shards_nothing():
+    totals = {e.option: e.total for e in estimate.estimate_all(PSI, 1, bucket_mb=0)}
+    assert totals == {"ddp": 16000, "zero1": 16000, "zero2": 16000, "zero3": 16000}
+
+
+@pytest.mark.parametrize(("budget", "choice"), [(16000, "ddp"), (12000, "zero1"), (7000, "zero2"), (6999, "zero3")])
+def test_recommend_picks_the_least_complex_option_that_fits(budget, choice):
+    recommendation = estimate.recommend(PSI, 4, budget, bucket_mb=0)
+    assert recommendation.choice == choice
+    assert recommendation.min_ranks is None
+    assert recommendation.explain().startswith(f"{choice}: the least complex option that fits")
+
+
+def test_recommend_says_when_nothing_fits_and_how_many_ranks_would():
+    recommendation = estimate.recommend(PSI, 4, 3999, bucket_mb=0)
+    assert recommendation.choice is None
+    # zero3 holds 16000/N bytes: 4000 > 3999 on 4 ranks, 3200 on 5.
+    assert recommendation.min_ranks == 5
+    assert recommendation.explain() == (
+        "nothing fits: zero3 needs 3.91 KiB per rank on 4 ranks, the budget is 3.91 KiB; zero3 fits on 5 ranks or more"
+    )
+
+
+def test_recommend_within_implemented_options():
+    recommendation = estimate.recommend(PSI, 4, 5000, bucket_mb=0, options=("ddp", "zero1", "zero2"))
+    assert recommendation.choice is None
+    assert [e.option for e in recommendation.estimates] == ["ddp", "zero1", "zero2"]
+    # zero2 keeps 4000 bytes of parameters and shards the rest: 4000 + 84*4 + 84*8 = 5008 on 12 ranks, 4924 on 13.
+    assert recommendation.min_ranks == 13
+
+
+def test_recommend_when_no_number_of_ranks_fits():
+    recommendation = estimate.recommend(PSI, 4, 3000, bucket_mb=0, options=("ddp", "zero2"))
+    assert recommendation.choice is None and recommendation.min_ranks is None
+    assert "no number of ranks fits" in recommendation.explain()
+
+
+@pytest.mark.parametrize(
+    ("option", "trainable", "expected"),
+    [
+        ("ddp", None, 6000),  # 2Ψ (N-1)/N elements of 4 bytes
+        ("zero1", None, 6000),
+        ("zero2", None, 6000),
+        ("zero3", None, 9000),  # 3Ψ (N-1)/N
+        ("ddp", 250, 1500),  # only trainable parameters are reduced
+        ("zero3", 250, 6750),  # (2Ψ + Ψ_t)(N-1)/N
+    ],
+)
+def test_communication_bytes(option, trainable, expected):
+    assert estimate.communication_bytes(option, PSI, 4, 4, trainable) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "count"), [("350000", 350_000), ("125M", 125_000_000), ("1.3B", 1_300_000_000), ("7e9", 7 * 10**9)]
+)
+def test_parse_count(text, count):
+    assert estimate.parse_count(text) == count
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: estimate.estimate("zero4", PSI, 4), "option='zero4' is invalid: allowed values are ddp, zero1, zero2"),
+        (lambda: estimate.estimate("zero2", PSI, 4, "fp8"), "precision='fp8' is invalid: allowed values are 32-true"),
+        (lambda: estimate.estimate("zero2", PSI, 0), "ranks=0 is invalid: it must be an integer >= 1"),
+        (lambda: estimate.estimate("zero2", 0, 4), "num_params=0 is invalid"),
+        (lambda: estimate.estimate("zero2", PSI, 4, trainable_params=PSI + 1), "trainable_params=1001 is invalid"),
+        (lambda: estimate.recommend(PSI, 4, 0), "budget_bytes=0 is invalid"),
+        (lambda: estimate.parse_count("7Q"), "params='7Q' is invalid"),
+        (lambda: estimate.parse_count("0"), "params='0' is invalid"),
+    ],
+)
+def test_bad_input_names_the_field(call, message):
+    with pytest.raises(EstimateError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        call()
