@@ -73,6 +73,7 @@ class ZeroStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        self._default_precision = ZeroPrecision()
         self.config = ZeroConfig(
             stage=stage,
             bucket_mb=bucket_mb,
@@ -103,12 +104,8 @@ class ZeroStrategy(DDPStrategy):
     @property
     @override
     def precision_plugin(self) -> ZeroPrecision:
-        if self._precision_plugin is None:
-            # Left unset until the Trainer assigns one for its ``precision`` flag (a set plugin would override it).
-            if not hasattr(self, "_default_precision"):
-                self._default_precision = ZeroPrecision()
-            return self._default_precision
-        return self._precision_plugin  # type: ignore[return-value]
+        # Left unset until the Trainer assigns one for its ``precision`` flag (a set plugin would override the flag).
+        return self._precision_plugin if self._precision_plugin is not None else self._default_precision
 
     @precision_plugin.setter
     @override
@@ -128,7 +125,7 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def runtime(self) -> ZeroRuntime | None:
-        """The sharding runtime of the current fit (``None`` outside ``fit``)."""
+        """The sharding runtime set up by the last ``fit`` (or stage-3 evaluation); ``None`` before."""
         return self._runtime
 
     def model_state_bytes(self) -> ModelStateBytes:

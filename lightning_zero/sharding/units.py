@@ -6,7 +6,8 @@ plan walks the module tree bottom-up (post-order) and makes a unit of a submodul
 
 - ``units`` is given and the submodule's class name (``Block``), qualified class name (``my_pkg.model.Block``) or
   module path (``model.layers.3``, shell-style wildcards allowed: ``model.layers.*``) matches one of its entries; or
-- ``units`` is empty and the parameters of its subtree not already in a smaller unit reach ``unit_bytes``.
+- ``units`` is empty and the submodule is an element of an ``nn.ModuleList`` (the usual stack of transformer
+  layers), or the parameters of its subtree not already in a smaller unit reach ``unit_bytes``.
 
 Whatever is left, and every parameter used by more than one module (tied weights such as a language model's input
 embedding and output projection), belongs to the root unit, which is gathered for the whole training step: a tied
@@ -40,23 +41,24 @@ def plan_units(root: nn.Module, units: tuple[str, ...], unit_bytes: int) -> tupl
     plans: list[UnitPlan] = []
     visited: set[nn.Module] = set()
 
-    def visit(module: nn.Module, name: str) -> list[nn.Parameter]:
+    def visit(module: nn.Module, name: str, listed: bool) -> list[nn.Parameter]:
         visited.add(module)
         pending: list[nn.Parameter] = []
         for child_name, child in module.named_children():
             if child not in visited:
-                pending += visit(child, f"{name}.{child_name}" if name else child_name)
+                path = f"{name}.{child_name}" if name else child_name
+                pending += visit(child, path, isinstance(module, nn.ModuleList))
         pending += [p for p in module.parameters(recurse=False) if p not in assigned]
         pending = list(dict.fromkeys(pending))
         if module is root or not pending:
             return pending
-        if _matches(module, name, units) if units else _nbytes(pending) >= unit_bytes:
+        if _matches(module, name, units) if units else (listed or _nbytes(pending) >= unit_bytes):
             plans.append(UnitPlan(name, module, pending))
             assigned.update(pending)
             return []
         return pending
 
-    leftover = visit(root, "")
+    leftover = visit(root, "", False)
     order = {m: i for i, m in enumerate(root.modules())}
     plans.sort(key=lambda plan: order[plan.module])
     root_params = list(dict.fromkeys(leftover + [p for p in root.parameters() if p in shared]))
