@@ -157,6 +157,36 @@ def load_optimizer(sharded: ShardedOptimizer, loaded: dict[str, dict[str, Tensor
 # ----------------------------------------------------------------------------------------------------------- save
 
 
+def save_sharded(
+    path: str | os.PathLike,
+    checkpoint: dict[str, Any],
+    module: nn.Module,
+    shards: list[ParamShard] | None,
+    facts: dict[str, Any],
+    comms,
+) -> None:
+    """Save Lightning's ``checkpoint`` whose ``state_dict`` and ``optimizer_states`` hold this rank's shards (as
+    ``model_tensors`` and ``optimizer_tensors`` make them): the tensors through DCP, the rest in ``lightning.pt``."""
+    tensors = {"model": checkpoint.pop("state_dict")}
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    if optimizer_states is not None:
+        tensors["optim"] = {str(i): state["state"] for i, state in enumerate(optimizer_states)}
+    keys, aliases = state_dict_keys(module)
+    if shards is not None:
+        shapes = {s.name: tuple(s.spec.shape) for s in shards}
+    else:
+        shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    checkpoint[FORMAT_KEY] = dict(
+        facts,
+        version=1,
+        shapes=shapes,
+        aliases=aliases,
+        state_dict_keys=keys,
+        optimizer_param_groups=None if optimizer_states is None else [s["param_groups"] for s in optimizer_states],
+    )
+    save(path, tensors, checkpoint, comms)
+
+
 def save(path: str | os.PathLike, tensors: dict[str, Any], meta: dict[str, Any], comms) -> None:
     """Write ``tensors`` (DCP) and ``meta`` (rank 0) atomically to the directory ``path``. All ranks call this."""
     path = Path(path)
@@ -241,10 +271,43 @@ def check_compatible(expected: dict[str, torch.Size], stored: dict[str, TensorSt
         raise CheckpointError("the checkpoint does not match this model; " + "; ".join(problems))
 
 
-def load(path: Path, tensors: dict[str, Any], comms) -> None:
-    """Fill the (sharded or full) destination ``tensors`` in place; each rank reads only what it holds."""
+def load_sharded(
+    path: str | os.PathLike,
+    module: nn.Module,
+    shards: list[ParamShard] | None,
+    optimizers: list[ShardedOptimizer],
+    mesh: DeviceMesh | None,
+    comms,
+) -> dict[str, Any]:
+    """Read a checkpoint directory into ``shards`` (or the full parameters without sharding) and ``optimizers``.
+
+    Everything is checked first (files present and complete, names and shapes matching), so a bad checkpoint
+    changes nothing. Returns Lightning's part of the checkpoint, for Lightning to restore its own state from.
+    """
+    path, meta = read_meta(path)
+    info = meta.pop(FORMAT_KEY)
+    stored = check_files(path)
+    model = model_tensors(module, shards, mesh)
+    check_compatible({k: v.shape for k, v in model.items()}, stored, "model.")
+    tensors: dict[str, Any] = {"model": model}
+    groups = info["optimizer_param_groups"]
+    if groups is not None and optimizers:
+        if len(groups) != len(optimizers):
+            raise CheckpointError(
+                f"the checkpoint has {len(groups)} optimizer(s), configure_optimizers returned {len(optimizers)}"
+            )
+        tensors["optim"] = {
+            str(i): optimizer_destinations(o, stored, f"optim.{i}.", mesh) for i, o in enumerate(optimizers)
+        }
     dcp.load(tensors, checkpoint_id=path, process_group=comms.group if comms.distributed else None,
              no_dist=not comms.distributed)
+    if "optim" in tensors:
+        for i, optimizer in enumerate(optimizers):
+            load_optimizer(optimizer, tensors["optim"][str(i)], groups[i])
+    if groups is not None:
+        meta["optimizer_states"] = []  # restored above; present so that Lightning does not report it missing
+    meta["state_dict"] = {}
+    return meta
 
 
 # ---------------------------------------------------------------------------------------------------- consolidate

@@ -299,25 +299,9 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy writes torch.distributed.checkpoint directories; storage_options is not used")
         assert self.lightning_module is not None
-        tensors = {"model": checkpoint.pop("state_dict")}
-        optimizer_states = checkpoint.pop("optimizer_states", None)
-        if optimizer_states is not None:
-            tensors["optim"] = {str(i): state["state"] for i, state in enumerate(optimizer_states)}
-        keys, aliases = ckpt.state_dict_keys(self.lightning_module)
-        shapes = {s.name: tuple(s.spec.shape) for s in self._runtime.shards} if self._runtime is not None else {
-            n: tuple(p.shape) for n, p in self.lightning_module.named_parameters()
-        }
-        checkpoint[ckpt.FORMAT_KEY] = {
-            "version": 1,
-            "stage": self.config.stage,
-            "world_size": self.world_size,
-            "precision": self.precision_plugin.precision,
-            "shapes": shapes,
-            "aliases": aliases,
-            "state_dict_keys": keys,
-            "optimizer_param_groups": None if optimizer_states is None else [s["param_groups"] for s in optimizer_states],
-        }
-        ckpt.save(filepath, tensors, checkpoint, self._collectives())
+        facts = {"stage": self.config.stage, "world_size": self.world_size, "precision": self.precision_plugin.precision}
+        shards = self._runtime.shards if self._runtime is not None else None
+        ckpt.save_sharded(filepath, checkpoint, self.lightning_module, shards, facts, self._collectives())
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -328,37 +312,22 @@ class ZeroStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint directory is read straight into the shards, each rank reading only its rows (at any
         world size and stage); a single-file checkpoint (DDP, single device, ``consolidate``) loads as usual."""
-        self._loaded_sharded = False
-        if not ckpt.is_sharded_checkpoint(checkpoint_path):
+        self._loaded_sharded = ckpt.is_sharded_checkpoint(checkpoint_path)
+        if not self._loaded_sharded:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self.lightning_module is not None
-        path, meta = ckpt.read_meta(checkpoint_path)
-        info = meta.pop(ckpt.FORMAT_KEY)
-        stored = ckpt.check_files(path)
-        shards = self._runtime.shards if self._runtime is not None else None
-        model = ckpt.model_tensors(self.lightning_module, shards, self._mesh() if shards else None)
-        ckpt.check_compatible({k: v.shape for k, v in model.items()}, stored, "model.")
-        tensors: dict[str, Any] = {"model": model}
-        groups = info["optimizer_param_groups"]
-        sharded = [self._runtime.sharded(o) for o in self.optimizers] if self._runtime is not None else []
-        if groups is not None and sharded:
-            if len(groups) != len(sharded):
-                raise ckpt.CheckpointError(
-                    f"the checkpoint has {len(groups)} optimizer(s), configure_optimizers returned {len(sharded)}"
-                )
-            tensors["optim"] = {
-                str(i): ckpt.optimizer_destinations(s, stored, f"optim.{i}.", self._mesh()) for i, s in enumerate(sharded)
-            }
-        comms = self._collectives()
-        ckpt.load(path, tensors, comms)
-        if self._runtime is not None:
-            self._runtime.refresh_full_parameters()
-        for i, s in enumerate(sharded if groups is not None else []):
-            ckpt.load_optimizer(s, tensors["optim"][str(i)], groups[i])
-        self._loaded_sharded = True
-        if groups is not None:
-            meta["optimizer_states"] = []  # restored above; present so that Lightning does not report it missing
-        meta["state_dict"] = {}
+        runtime = self._runtime
+        sharded = [runtime.sharded(o) for o in self.optimizers] if runtime is not None else []
+        meta = ckpt.load_sharded(
+            checkpoint_path,
+            self.lightning_module,
+            runtime.shards if runtime is not None else None,
+            sharded,
+            self._mesh() if runtime is not None else None,
+            self._collectives(),
+        )
+        if runtime is not None:
+            runtime.refresh_full_parameters()
         return meta
 
     @override
