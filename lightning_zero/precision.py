@@ -30,21 +30,38 @@ _WORKING_DTYPES = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": to
 class LossScaler:
     """Dynamic fp16 loss scaling whose decisions are the same on every rank (the overflow flag is all-reduced)."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
-        self.scale = init_scale
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.growth_tracker = 0
         self.skipped_steps = 0
 
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler | None) -> LossScaler:
+        """The same settings as a ``torch.amp.GradScaler`` (the one a ``MixedPrecision`` plugin was given)."""
+        if scaler is None:
+            return cls()
+        return cls(
+            scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()
+        )
+
     def update(self, found_inf: bool) -> None:
         if found_inf:
-            self.scale *= 0.5
+            self.scale *= self.backoff_factor
             self.growth_tracker = 0
             self.skipped_steps += 1
             return
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
-            self.scale *= 2.0
+            self.scale *= self.growth_factor
             self.growth_tracker = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -59,7 +76,7 @@ class LossScaler:
 class ZeroPrecision(Precision):
     """``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (fp16 with dynamic loss scaling) under ZeroStrategy."""
 
-    def __init__(self, precision: str = "32-true", device: str = "cpu") -> None:
+    def __init__(self, precision: str = "32-true", device: str = "cpu", scaler: LossScaler | None = None) -> None:
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
                 f"precision={precision!r} is not supported by ZeroStrategy: allowed values are "
@@ -68,7 +85,7 @@ class ZeroPrecision(Precision):
         self.precision = precision
         self.device = device
         self.working_dtype: torch.dtype | None = _WORKING_DTYPES[precision]
-        self.scaler = LossScaler() if precision == "16-mixed" else None
+        self.scaler = (scaler or LossScaler()) if precision == "16-mixed" else None
         self.sharded: Callable[[Optimizer], ShardedOptimizer] | None = None
         #: Global gradient norm before clipping, of the last step that clipped by norm.
         self.last_grad_norm: Tensor | None = None
@@ -146,7 +163,9 @@ def zero_precision_for(plugin: Precision | None) -> ZeroPrecision:
     if type(plugin) is Precision:
         return ZeroPrecision("32-true")
     if isinstance(plugin, MixedPrecision):
-        return ZeroPrecision(plugin.precision, plugin.device)
+        # fp16: the sharded scaler takes the settings of the GradScaler the plugin was given (init scale, growth).
+        scaler = LossScaler.like(plugin.scaler) if plugin.precision == "16-mixed" else None
+        return ZeroPrecision(plugin.precision, plugin.device, scaler)
     flag = getattr(plugin, "precision", type(plugin).__name__)
     raise ValueError(
         f"precision={flag!r} is not supported by ZeroStrategy: allowed values are "

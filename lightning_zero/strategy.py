@@ -29,7 +29,7 @@ from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
 from lightning_zero.sharding.collectives import Collectives, CommStats
-from lightning_zero.sharding.materialize import has_meta_tensors, materialize_shards
+from lightning_zero.sharding.materialize import has_meta_tensors, materialize_shards, rng_state
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
 
 _START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
@@ -143,9 +143,9 @@ class ZeroStrategy(DDPStrategy):
         detached = None
         if self.config.stage == 3 and has_meta_tensors(self.model):
             # Every rank draws rank 0's numbers, even if the user never seeded.
-            rng_state = (self._init_rng_state if self._init_rng_state is not None else torch.random.get_rng_state()).clone()
-            comms.broadcast_([rng_state])
-            detached = materialize_shards(self.model, self.root_device, rng_state, comms.rank, comms.world_size)
+            state = (self._init_rng_state if self._init_rng_state is not None else rng_state(self.root_device)).clone()
+            comms.broadcast_([state])
+            detached = materialize_shards(self.model, self.root_device, state, comms.rank, comms.world_size)
         self.model_to_device()
         sync_module_states(self.model, comms)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -169,7 +169,7 @@ class ZeroStrategy(DDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        self._init_rng_state = torch.random.get_rng_state()
+        self._init_rng_state = rng_state(self.root_device)
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 

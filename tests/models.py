@@ -267,7 +267,7 @@ class StepSeededLM(TinyLM):
 
     def training_step(self, batch, batch_idx):
         g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
-        tokens = torch.randint(0, self.vocab, (4, SEQ), generator=g)
+        tokens = torch.randint(0, self.vocab, (4, SEQ), generator=g).to(self.device)
         return super().training_step((tokens, None), batch_idx)
 
     def configure_optimizers(self):

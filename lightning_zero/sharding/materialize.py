@@ -2,7 +2,8 @@
 
 [Note: initial values of a model built on the meta device]
 Under ``configure_model()`` (and ``Trainer.init_module()``) a stage-3 strategy builds the model on the meta device,
-where nothing is allocated and no random numbers are drawn, and records the RNG state at that moment. Setup then
+where nothing is allocated and no random numbers are drawn, and records at that moment the state of the generator
+that initializes tensors on the training device (the CPU's, or the CUDA device's, as an eager build there would use). Setup then
 visits the modules in ``module.modules()`` order, starting from that RNG state: each module's own meta parameters and
 buffers are allocated in full, its ``reset_parameters()`` runs, the local rows of each parameter are copied out and
 the full storage is freed before the next module. No rank ever holds more than one module's parameters in full.
@@ -24,20 +25,32 @@ from lightning_zero.sharding.flat_param import ShardSpec
 from lightning_zero.sharding.param_hooks import free_full_parameter
 
 
+def rng_state(device: torch.device) -> Tensor:
+    """The state of the generator that initializes tensors on ``device`` (the CPU's, or that CUDA device's)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.random.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.random.set_rng_state(state)
+
+
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
 def materialize_shards(
-    root: nn.Module, device: torch.device, rng_state: Tensor | None, rank: int, world_size: int
+    root: nn.Module, device: torch.device, generator_state: Tensor | None, rank: int, world_size: int
 ) -> dict[nn.Parameter, tuple[torch.Size, Tensor]]:
     """Replace every meta parameter and buffer of ``root`` by a real one on ``device``.
 
     Parameters come back empty (the stage-3 sharded state); the returned dict maps each of them to its full shape
     and its local rows. See [Note: initial values of a model built on the meta device].
     """
-    if rng_state is not None:
-        torch.random.set_rng_state(rng_state)
+    if generator_state is not None:
+        _set_rng_state(device, generator_state)
     real: dict[nn.Parameter, nn.Parameter] = {}
     local_rows: dict[nn.Parameter, tuple[torch.Size, Tensor]] = {}
     names = {m: n for n, m in root.named_modules()}

@@ -1,0 +1,85 @@
+"""One CUDA device: ZeRO's CUDA paths (device placement, meta-device init on the GPU, fp16 with real loss scaling,
+sharded checkpoints of CUDA tensors) against Lightning's single-device training. Skipped without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.checkpoint import consolidate
+from tests.models import Recorder, StepSeededLM, flat_params
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _fit(strategy, precision=None, steps=8, model_cls=StepSeededLM, ckpt_path=None):
+    pl.seed_everything(11, verbose=False)
+    model, recorder = model_cls(), Recorder()
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cuda", devices=1, max_steps=steps, precision=precision, callbacks=[recorder],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, recorder
+
+
+def _zero(stage: int, **kwargs) -> ZeroStrategy:
+    return ZeroStrategy(stage, units=("Block",), **kwargs) if stage == 3 else ZeroStrategy(stage, **kwargs)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_equals_single_device_training(stage: int) -> None:
+    _, want = _fit("auto")
+    _, got = _fit(_zero(stage))
+    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
+    for a, b in zip(got.params, want.params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert got.params[-1].device.type == "cuda"
+
+
+def _fp16() -> MixedPrecision:
+    # A small initial scale: ZeRO's gradients are fp16 and would overflow (and skip) the first steps at 2**16, where
+    # the single-device reference keeps fp32 gradients under autocast and would not, so the runs would not align.
+    return MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda", init_scale=2.0**8))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_tracks_single_device_training(stage: int, precision: str) -> None:
+    if precision == "16-mixed":
+        _, want = _fit(SingleDeviceStrategy("cuda:0", precision_plugin=_fp16()), steps=20)
+        trainer, got = _fit(_zero(stage, precision_plugin=_fp16()), steps=20)
+    else:
+        _, want = _fit("auto", precision=precision, steps=20)
+        trainer, got = _fit(_zero(stage), precision=precision, steps=20)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got.losses, want.losses)) < 3e-3
+    plugin = trainer.strategy.precision_plugin
+    assert plugin.precision == precision and (plugin.scaler is not None) == (precision == "16-mixed")
+    if plugin.scaler is not None:
+        assert plugin.scaler.skipped_steps == 0 and plugin.scaler.scale == 2.0**8
+
+
+def test_meta_init_on_the_gpu_equals_the_eager_build() -> None:
+    # steps=0: built in configure_model and set up, never trained; after fit both modules hold their weights on the
+    # CPU. The single-device run builds eagerly on the GPU, drawing from the CUDA generator, as materialization does.
+    eager, _ = _fit("auto", steps=0)
+    sharded, _ = _fit(_zero(3), steps=0)
+    torch.testing.assert_close(flat_params(sharded.lightning_module), flat_params(eager.lightning_module), rtol=0, atol=0)
+
+
+def test_sharded_checkpoint_of_cuda_tensors_resumes_exactly(tmp_path: Path) -> None:
+    _, whole = _fit(_zero(3), precision="bf16-mixed", steps=6)
+    first, _ = _fit(_zero(3), precision="bf16-mixed", steps=3)
+    first.save_checkpoint(tmp_path / "run.ckpt")
+    _, resumed = _fit(_zero(2), precision="bf16-mixed", steps=6, ckpt_path=tmp_path / "run.ckpt")
+    np.testing.assert_allclose(resumed.losses, whole.losses[3:], rtol=1e-3)
+    keys = consolidate(tmp_path / "run.ckpt", tmp_path / "w.safetensors")
+    assert "lm.head.weight" in keys
