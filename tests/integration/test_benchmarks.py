@@ -1,0 +1,123 @@
+"""benchmarks/compare.py: the --quick run works end to end and its figures are consistent (not that they are fast).
+
+The quick run needs only this project's own dependencies: DeepSpeed rows are reported as skipped when it is not
+installed, and the plot is skipped when matplotlib is not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from zbench import report  # noqa: E402
+from zbench.measure import CollectiveCounter, ring_bytes  # noqa: E402
+from zbench.model import SIZES, build_model  # noqa: E402
+from zbench.plan import full_plan, quick_plan, schedule  # noqa: E402
+
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def test_model_size_formula_and_tenfold_span() -> None:
+    for size in SIZES.values():
+        assert sum(p.numel() for p in build_model(size).parameters()) == size.n_params
+    assert SIZES["L"].n_params >= 10 * SIZES["S"].n_params
+
+
+def test_schedule_alternates_order_between_rounds() -> None:
+    order = schedule(full_plan(rounds=2))
+    main = [(n, r) for c, n, r in order if c.name == "M-2"]
+    first = [n for n, r in main if r == 0]
+    second = [n for n, r in main if r == 1]
+    assert sorted(first) == sorted(second) and first != second
+    # Configurations are interleaved: every configuration's first round comes before any second round.
+    rounds = [r for _, _, r in order]
+    assert rounds == sorted(rounds)
+
+
+def test_ring_volume_convention() -> None:
+    n = 1000
+    # DDP's all-reduce of Psi bytes reads 2 units of (N-1)/N * Psi; a reduce-scatter plus an all-gather also 2.
+    assert ring_bytes({"all_reduce": (1, n)}, 4) == pytest.approx(2 * n * 3 / 4)
+    assert ring_bytes({"reduce_scatter": (1, n), "all_gather": (2, n)}, 2) == pytest.approx(n)
+    assert ring_bytes({"all_reduce": (1, n)}, 1) == 0.0
+    assert CollectiveCounter.delta({"a": (3, 30), "b": (1, 5)}, {"a": (1, 10), "b": (1, 5)}) == {"a": (2, 20)}
+
+
+def test_quick_run_is_consistent(tmp_path: Path) -> None:
+    out = tmp_path / "BENCH.md"
+    results_path = tmp_path / "quick.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compare.py"), "--quick", "--out", str(out), "--results", str(results_path),
+         "--workdir", str(tmp_path / "work")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(results_path.read_text())
+    planned = {(c.name, a) for c in quick_plan() for a in c.approaches}
+
+    # Every approach either ran on every rank or was skipped for a missing optional package, and said so.
+    ran = {(r["config"], r["approach"]) for r in results["runs"]}
+    assert all(r["ok"] for r in results["runs"]), [r.get("error") for r in results["runs"] if not r["ok"]]
+    for config, name in planned - ran:
+        assert name.startswith("ds_") and not HAVE_DEEPSPEED, (config, name)
+        assert "deepspeed not installed" in results["skipped"][name]
+    assert HAVE_DEEPSPEED or {n for _, n in planned if n.startswith("ds_")} <= set(results["skipped"])
+
+    summary = report.summarize(results)
+    two = summary["tiny-2"]
+    psi = two["ddp"]["n_params"] * 4  # fp32 bytes
+    for name, row in two.items():
+        assert row["ok"], name
+        # Timing figures are ordered and throughput follows from the median.
+        assert 0 < row["step_min"] <= row["step_s"] <= row["step_max"]
+        assert row["tokens_per_s"] == pytest.approx(2 * 2 * SIZES["tiny"].seq / row["step_s"])
+        # Training happened, and identically for every approach (float re-association only).
+        assert row["losses"][-1] < row["losses"][0], name
+        assert row["final_loss"] == pytest.approx(two["ddp"]["final_loss"], rel=report.LOSS_RTOL), name
+        assert row["peak_rss"] > row["rss_base"] > 0
+        assert row["model_state"] <= row["all_tensors"]
+
+    # Communication, counted by wrapping torch.distributed: DDP all-reduces Psi once (2 units); lightning_zero's own
+    # accounting moves (N-1)/N of (padded) Psi per reduce-scatter and per all-gather.
+    assert two["ddp"]["comm_psi"] == pytest.approx(2.0, rel=1e-3)
+    assert two["lit_ddp"]["comm_psi"] == pytest.approx(2.0, rel=1e-3)
+    for stage in (1, 2, 3):
+        own = two[f"lz_zero{stage}"]["own_comm"][0]
+        assert psi / 2 <= own["reduce_scatter"] <= psi / 2 * 1.01
+        gathers = 1 if stage < 3 else 2  # stage 3 gathers the blocks twice (forward, backward), the root once
+        assert psi / 2 <= own["all_gather"] <= gathers * psi / 2 * 1.01
+
+    # Model-state bytes counted from held tensors: fp32 AdamW is 16 bytes per parameter under DDP; the stages shard
+    # 8 (zero1: Adam moments), 12 (zero2: + gradients) and 16 (zero3: + parameters) of them, up to padding.
+    # (Plus AdamW's 4-byte step counter per parameter tensor.)
+    assert 16 * psi / 4 <= two["ddp"]["model_state"] <= 16 * psi / 4 * 1.001
+    for stage, sharded in ((1, 8), (2, 12), (3, 16)):
+        row = two[f"lz_zero{stage}"]
+        expected = (16 - sharded) * row["n_params"] + sharded * row["n_params"] / 2
+        assert expected <= row["model_state"] <= expected * 1.01, stage
+        assert row["own_model_state"]["total"] == row["model_state"]  # the strategy's own count agrees
+    assert two["lz_zero3"]["model_state"] < two["lz_zero2"]["model_state"] < two["lz_zero1"]["model_state"]
+    assert two["lz_zero1"]["model_state"] <= two["torch_zero1"]["model_state"]
+    assert two["lz_zero3"]["model_state"] <= two["fsdp2"]["model_state"]
+
+    # World size 1: lightning_zero trains exactly like a plain loop.
+    one = summary["tiny-1"]
+    assert one["lz_zero3"]["losses"] == pytest.approx(one["single"]["losses"], rel=1e-6)
+
+    text = out.read_text()
+    assert "--quick" in text and "| lightning_zero zero3 |" in text and "Acceptance criteria" in text
+    if not HAVE_DEEPSPEED:
+        assert "skipped: deepspeed not installed" in text
+    plot = results_path.with_suffix(".png")
+    assert plot.exists() == HAVE_MATPLOTLIB
