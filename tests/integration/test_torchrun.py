@@ -16,7 +16,10 @@ JOB = Path(__file__).with_name("torchrun_job.py")
 
 def test_two_nodes_under_torchrun(tmp_path: Path) -> None:
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # A clean environment: Lightning's launchers in this process (other tests) leave MASTER_PORT and PL_* behind.
+    leaked = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith("PL_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
@@ -25,8 +28,8 @@ def test_two_nodes_under_torchrun(tmp_path: Path) -> None:
         )
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [r["environment"] for r in ranks] == ["TorchElasticEnvironment"] * 2
     assert [(r["global_rank"], r["node_rank"], r["world_size"]) for r in ranks] == [(0, 0, 2), (1, 1, 2)]
