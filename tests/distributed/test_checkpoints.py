@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError, consolidate
+from lightning_zero.cli import main
 from tests.harness import run_on_ranks
 from tests.models import ParityModel, Recorder, StepSeededLM, TinyLM, flat_params, make_trainer
 
@@ -220,3 +221,14 @@ def test_wrong_model_or_damaged_files_fail_clearly_before_changing_anything(tmp_
     shard.unlink()
     message, _ = run_on_ranks(lambda r, w: _load_wrong(r, w, path, TinyLM), 2)[0]
     assert f"checkpoint shard file {shard} is missing" in message
+
+
+def test_consolidate_command(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "run.ckpt"
+    run_on_ranks(lambda r, w: _save(r, w, 3, path), 2)
+    assert main(["consolidate", str(path), str(tmp_path / "w.safetensors"), "--dtype", "bf16"]) == 0
+    assert "wrote 27 tensors" in capsys.readouterr().out  # 26 parameters + the tied head under its own name
+    assert safetensors.torch.load_file(tmp_path / "w.safetensors")["lm.head.weight"].dtype == torch.bfloat16
+    assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "x.pt")]) == 2
+    assert "is not a lightning_zero checkpoint directory" in capsys.readouterr().err
+    assert main(["consolidate", str(path), str(tmp_path / "x.safetensors"), "--training-state"]) == 2

@@ -1,0 +1,40 @@
+"""``lightning-zero consolidate``: a sharded checkpoint directory to one file (see ``checkpoint.consolidate``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_consolidate(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint's full weights to one file that plain PyTorch loads",
+        description="Write the full weights of a lightning_zero checkpoint directory to one file, reading one tensor "
+        "at a time. OUT ending in .safetensors holds the weights only and is streamed (peak memory about the largest "
+        "tensor); any other suffix is a Lightning checkpoint file (torch.save of {'state_dict': ...}).",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint directory written by ZeroStrategy")
+    parser.add_argument("out", help="the file to write (.safetensors, .ckpt, .pt)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cast weights (default: as stored)")
+    parser.add_argument("--strip-prefix", default="", help="drop this prefix from every key (e.g. 'model.')")
+    parser.add_argument(
+        "--training-state",
+        action="store_true",
+        help="also write full optimizer states and Lightning's loop state, so DDP or one device can resume from OUT",
+    )
+    parser.set_defaults(run=consolidate_command)
+
+
+def consolidate_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from lightning_zero.checkpoint import CheckpointError, consolidate
+    from lightning_zero.cli import UsageError
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    try:
+        keys = consolidate(args.checkpoint, args.out, dtype, args.strip_prefix, args.training_state)
+    except (CheckpointError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    print(f"wrote {len(keys)} tensors to {args.out}")
+    return 0
