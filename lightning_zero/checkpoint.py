@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zero.sharding.flat_param import ParamShard, ShardSpec
-from lightning_zero.sharding.optimizer import ShardedOptimizer, _is_per_element
+from lightning_zero.sharding.optimizer import ShardedOptimizer, is_per_element
 
 META_FILE = "lightning.pt"
 FORMAT_KEY = "lightning_zero"
@@ -105,7 +105,7 @@ def optimizer_tensors(sharded: ShardedOptimizer, mesh: DeviceMesh) -> dict[str, 
     for index, entry in state_dict["state"].items():
         shard = sharded.shards[index]
         state[shard.name] = {
-            key: shard_dtensor(value, shard.spec, mesh) if _is_per_element(key, value, shard.spec.local_shape, shard)
+            key: shard_dtensor(value, shard.spec, mesh) if is_per_element(key, value, shard.spec.local_shape, shard)
             else value
             for key, value in entry.items()
         }
@@ -389,16 +389,11 @@ def _read_full(path: Path, key: str, info: dict[str, Any], dtype: torch.dtype | 
     """One stored tensor in full (a parameter's, or a per-element optimizer state's, back at the parameter's shape)."""
     meta = FileSystemReader(path).read_metadata().state_dict_metadata[key]
     tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(_nest(key, tensor), checkpoint_id=path, no_dist=True)
+    dcp.load({key: tensor}, checkpoint_id=path, no_dist=True)
     shape = info["shapes"].get(param)
     if shape is not None and tensor.shape == to_shape(shape):
         tensor = tensor.view(shape)
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-
-
-def _nest(key: str, tensor: Tensor) -> dict[str, Any]:
-    """DCP flattens nested state dicts by joining keys with dots; a flat key loads as itself."""
-    return {key: tensor}
 
 
 def _write_safetensors(path: Path, out: Path, items, keys: list[str], info, dtype: torch.dtype | None) -> None:

@@ -26,6 +26,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+#: Bucket collectives (gradient reduce-scatters, parameter all-gathers) in flight at once: bounds the transient memory
+#: of full-size bucket buffers to this many while still overlapping one with the packing of the next.
+MAX_IN_FLIGHT = 2
+
+
 @dataclass
 class OpStats:
     """Calls and bytes of one kind of collective since the last reset."""

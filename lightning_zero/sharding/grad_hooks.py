@@ -25,11 +25,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_zero.sharding.collectives import Collectives, Handle
+from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, Collectives, Handle
 from lightning_zero.sharding.flat_param import FlatLayout, ParamShard, group_into_buckets
 
-#: Buckets reduced concurrently; bounds the transient memory of full-size bucket buffers to this many.
-MAX_IN_FLIGHT = 2
 
 
 class _Bucket:

@@ -29,11 +29,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_zero.sharding.collectives import Collectives, Handle
+from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, Collectives, Handle
 from lightning_zero.sharding.flat_param import FlatLayout, ParamShard, group_into_buckets
 
-#: Parameter buckets all-gathered concurrently after a step.
-MAX_IN_FLIGHT = 2
 
 
 class ShardedOptimizer:
@@ -141,7 +139,7 @@ class ShardedOptimizer:
             shard = self.shards[int(index)]
             local_state[index] = {}
             for key, value in entry.items():
-                if _is_per_element(key, value, shard.spec.shape, shard):
+                if is_per_element(key, value, shard.spec.shape, shard):
                     value = shard.spec.local_view(value.contiguous()).clone()
                 elif torch.is_tensor(value) and value.dim() > 0:
                     raise ValueError(
@@ -172,7 +170,7 @@ def _finish_gather(bucket: list[ParamShard], layout: FlatLayout, buffer: torch.T
     layout.unpack(buffer, [s.full.detach() for s in bucket])
 
 
-def _is_per_element(key: str, value: Any, shape: torch.Size, shard: ParamShard) -> bool:
+def is_per_element(key: str, value: Any, shape: torch.Size, shard: ParamShard) -> bool:
     """Whether an optimizer state entry has one element per parameter element (moments, momentum buffers).
 
     Judged by shape. A 0-d parameter's moments are 0-d like the scalar ``step`` counter, so that key is excluded.
