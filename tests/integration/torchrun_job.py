@@ -29,3 +29,7 @@ if __name__ == "__main__":
         },
         Path(sys.argv[1]) / f"rank{trainer.global_rank}.pt",
     )
+    # Lightning leaves the process group up; tearing it down here keeps gloo's threads from aborting the
+    # interpreter at exit ("terminate called without an active exception"), which torchrun reports as a failure.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
