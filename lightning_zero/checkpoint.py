@@ -101,15 +101,16 @@ def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
 def optimizer_tensors(sharded: ShardedOptimizer, mesh: DeviceMesh) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name, per-element entries as shard DTensors; and its groups."""
     state_dict = sharded.optimizer.state_dict()
+    shards = sharded.shards
     state: dict[str, dict[str, Any]] = {}
     for index, entry in state_dict["state"].items():
-        shard = sharded.shards[index]
+        shard = shards[index]
         state[shard.name] = {
             key: shard_dtensor(value, shard.spec, mesh) if is_per_element(key, value, shard.spec.local_shape, shard)
             else value
             for key, value in entry.items()
         }
-    groups = [dict(g, params=[sharded.shards[i].name for i in g["params"]]) for g in state_dict["param_groups"]]
+    groups = [dict(g, params=[shards[i].name for i in g["params"]]) for g in state_dict["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 
@@ -135,7 +136,8 @@ def optimizer_destinations(
 
 def load_optimizer(sharded: ShardedOptimizer, loaded: dict[str, dict[str, Tensor]], groups: list[dict]) -> None:
     """Hand state loaded by name to the live optimizer (which keys its state by position)."""
-    position = {shard.name: i for i, shard in enumerate(sharded.shards)}
+    shards = sharded.shards
+    position = {shard.name: i for i, shard in enumerate(shards)}
     names = [n for g in groups for n in g["params"]]
     if sorted(names) != sorted(position):
         raise CheckpointError(
@@ -145,11 +147,11 @@ def load_optimizer(sharded: ShardedOptimizer, loaded: dict[str, dict[str, Tensor
     state = {}
     for name, entry in loaded.items():
         state[position[name]] = {
-            key: (value.to_local().view(sharded.shards[position[name]].spec.local_shape) if isinstance(value, DTensor)
+            key: (value.to_local().view(shards[position[name]].spec.local_shape) if isinstance(value, DTensor)
                   else value)
             for key, value in entry.items()
         }
-    sharded.optimizer.load_state_dict(
+    sharded.load_state_dict(
         {"state": state, "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in groups]}
     )
 

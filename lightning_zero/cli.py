@@ -325,7 +325,10 @@ def _instantiation_message(group: str, node: Any, err: Exception) -> str:
         field = message.rsplit(" ", 1)[-1].strip("'")
         sub_key = key.removeprefix(group).lstrip(".")
         target = (OmegaConf.select(node, sub_key) if sub_key else node)._target_
-        names = [p for p in inspect.signature(get_object(target)).parameters if p not in ("self", "args", "kwargs")]
+        obj = get_object(target)
+        names = obj.option_names() if hasattr(obj, "option_names") else [
+            p for p in inspect.signature(obj).parameters if p not in ("self", "args", "kwargs")
+        ]
         return f"{key}.{field} is not a parameter of {target}: allowed fields are {', '.join(names)}"
     return _prefixed(key, message)
 

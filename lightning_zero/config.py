@@ -1,42 +1,39 @@
-"""Configuration of the ZeRO strategy: small frozen dataclasses, validated on construction.
+"""Configuration of the ZeRO strategy: small frozen dataclasses, each owned by the component that uses it.
 
-Every error names the field, the value it got and what is allowed, so that a bad value from the command line or from
-Python fails before any process is launched.
+``ZeroConfig`` composes them: ``CommConfig`` (buckets and gradient reduction, used by the reducers and
+``collectives.py``) and ``Stage3Config`` (units, prefetch and resharding, used by ``param_hooks.py``). Users never
+name the components: ``ZeroStrategy(stage=3, prefetch=2)``, the Hydra config and ``ZeroConfig.from_options`` take
+flat option names, each defined once, here, with its default (``option_defaults`` lists them, and the CLI builds the
+Hydra schema of ``strategy=zero*`` from it). Every error names the option, the value it got and what is allowed, so a
+bad value from the command line or from Python fails before any process is launched.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 SUPPORTED_STAGES = (1, 2, 3)
-_REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``precision=`` flags ZeroStrategy supports, and the 16-bit working dtype each implies (None: full fp32).
+PRECISIONS: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+#: Short dtype names used by options and by the CLI (``reduce_dtype="fp32"``, ``consolidate --dtype bf16``).
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ZeroConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the allowed values."""
+    """A configuration value is invalid; the message names the option and the allowed values."""
 
 
 @dataclass(frozen=True)
-class ZeroConfig:
-    """What to shard and how to communicate.
+class CommConfig:
+    """How gradients are reduced and parameters moved.
 
     Args:
-        stage: 1 shards optimizer states; 2 also shards gradients (reduce-scattered during backward); 3 also shards
-            parameters (gathered around each unit's forward and backward).
         bucket_mb: size in MiB of the flat buffers that gradients are packed into before each reduce-scatter, and
             that updated parameters are packed into before each all-gather. Bounds the transient memory of a step.
-        broadcast_buffers: broadcast floating-point module buffers (e.g. BatchNorm running stats) from rank 0 before
-            every training forward, as ``DistributedDataParallel`` does by default.
-        prefetch: stage 3: how many units ahead of the one computing have their all-gather issued early; at most
-            ``prefetch + 1`` gathered units are alive at once (plus, in backward, units whose gradients are pending).
-        reshard_after_forward: stage 3: free a unit's parameters after its forward and gather them again for backward
-            (ZeRO-3); ``False`` keeps them from forward to backward, trading memory for one all-gather less.
-        units: stage 3: which submodules are gathered together, by class name, qualified class name or module path
-            (wildcards allowed), e.g. ``("Block",)``; empty selects units by size (``unit_mb``).
-        unit_mb: stage 3 with ``units`` empty: a submodule becomes a unit once its parameters not yet in a smaller
-            unit reach this many MiB.
         reduce_dtype: dtype gradients are reduced and their shards kept in: ``None`` (default) uses the working
             dtype (fp32, or bf16/fp16 under mixed precision), as the ZeRO paper's memory figures and DeepSpeed and
             FSDP2 do, halving gradient traffic; ``"fp32"`` sums 16-bit gradients in fp32 for accuracy at twice the
@@ -44,37 +41,24 @@ class ZeroConfig:
         find_unused_parameters: as in DDP: agree across ranks on which parameters got no gradient in a backward, so
             that a parameter no rank used keeps no gradient and is not stepped (one small extra all-reduce, and
             reduction starts only once backward ends). Without it such a parameter is stepped with a zero gradient.
+        broadcast_buffers: broadcast floating-point module buffers (e.g. BatchNorm running stats) from rank 0 before
+            every training forward, as ``DistributedDataParallel`` does by default.
+        shortcut_single_rank: with one rank there is nothing to communicate and no collective is issued; ``False``
+            issues them anyway (to run every NCCL call on a single GPU, or to measure what they cost).
     """
 
-    stage: int = 2
     bucket_mb: float = 25.0
-    broadcast_buffers: bool = True
-    find_unused_parameters: bool = False
-    prefetch: int = 1
-    reshard_after_forward: bool = True
-    units: tuple[str, ...] = ()
-    unit_mb: float = 16.0
     reduce_dtype: str | None = None
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    shortcut_single_rank: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
-            raise ZeroConfigError(f"stage={self.stage!r} is invalid: allowed values are 1, 2 or 3")
-        for name in ("bucket_mb", "unit_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a number of MiB > 0")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise ZeroConfigError(f"prefetch={self.prefetch!r} is invalid: it must be an integer >= 1")
-        if isinstance(self.units, str) or not all(isinstance(u, str) and u for u in self.units):
-            raise ZeroConfigError(
-                f"units={self.units!r} is invalid: it must be a list of module class names or module paths"
-            )
-        if self.reduce_dtype not in _REDUCE_DTYPES:
-            allowed = ", ".join(repr(k) for k in _REDUCE_DTYPES)
+        _check_mib("bucket_mb", self.bucket_mb)
+        if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
+            allowed = ", ".join(repr(k) for k in (None, *DTYPES))
             raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid: allowed values are {allowed}")
-        for name in ("broadcast_buffers", "find_unused_parameters", "reshard_after_forward"):
-            if not isinstance(getattr(self, name), bool):
-                raise ZeroConfigError(f"{name}={getattr(self, name)!r} is invalid: it must be true or false")
+        _check_bool(self, "find_unused_parameters", "broadcast_buffers", "shortcut_single_rank")
 
     @property
     def bucket_bytes(self) -> int:
@@ -82,8 +66,124 @@ class ZeroConfig:
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype | None:
-        return _REDUCE_DTYPES[self.reduce_dtype]
+        return None if self.reduce_dtype is None else DTYPES[self.reduce_dtype]
+
+
+@dataclass(frozen=True)
+class Stage3Config:
+    """Stage 3: which parameters are gathered together, and when.
+
+    Args:
+        units: which submodules are gathered together, by class name, qualified class name or module path
+            (wildcards allowed), e.g. ``("Block",)``; empty picks units automatically (each element of an
+            ``nn.ModuleList``, else by size, ``unit_mb``). An entry that matches no module is an error.
+        unit_mb: with ``units`` empty: a submodule becomes a unit once its parameters not yet in a smaller unit
+            reach this many MiB.
+        prefetch: how many units ahead of the one computing have their all-gather issued early; at most
+            ``prefetch + 1`` gathered units are alive at once (plus, in backward, units whose gradients are pending).
+        reshard_after_forward: free a unit's parameters after its forward and gather them again for backward
+            (ZeRO-3); ``False`` keeps them from forward to backward, trading memory for one all-gather less.
+    """
+
+    units: tuple[str, ...] = ()
+    unit_mb: float = 16.0
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        _check_names("units", self.units)
+        _check_mib("unit_mb", self.unit_mb)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ZeroConfigError(f"prefetch={self.prefetch!r} is invalid: it must be an integer >= 1")
+        _check_bool(self, "reshard_after_forward")
 
     @property
     def unit_bytes(self) -> int:
         return max(1, int(self.unit_mb * 2**20))
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What to shard, and the options of each component (see the module docstring).
+
+    Args:
+        stage: 1 shards optimizer states; 2 also shards gradients (reduce-scattered during backward); 3 also shards
+            parameters (gathered around each unit's forward and backward).
+        activation_checkpointing_policy: module classes (names, qualified names or the classes themselves) whose
+            forward is recomputed in backward instead of keeping its activations, as Lightning's FSDP strategies
+            take it; under stage 3 the recomputation reuses the gather of the unit's backward.
+    """
+
+    stage: int = 2
+    activation_checkpointing_policy: tuple[Any, ...] = ()
+    comm: CommConfig = field(default_factory=CommConfig)
+    stage3: Stage3Config = field(default_factory=Stage3Config)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
+            raise ZeroConfigError(f"stage={self.stage!r} is invalid: allowed values are 1, 2 or 3")
+        policy = self.activation_checkpointing_policy
+        if isinstance(policy, (str, type)) or not all(isinstance(p, type) or (isinstance(p, str) and p) for p in policy):
+            raise ZeroConfigError(
+                f"activation_checkpointing_policy={policy!r} is invalid: it must be a list of module classes or "
+                "class names"
+            )
+
+    @classmethod
+    def from_options(cls, **options: Any) -> ZeroConfig:
+        """Build from flat option names (``stage=3, prefetch=2, bucket_mb=50``), each routed to its component.
+
+        Lists are accepted where a tuple is expected (they come from YAML and the command line).
+        """
+        unknown = sorted(set(options) - set(option_defaults()))
+        if unknown:
+            raise TypeError(f"ZeroStrategy() got an unexpected keyword argument {unknown[0]!r}")
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        parts = {name: component(**_own(component, options)) for name, component in _COMPONENTS.items()}
+        return cls(**_own(cls, options), **parts)
+
+    def options(self) -> dict[str, Any]:
+        """The flat option names and values of this config (the inverse of ``from_options``)."""
+        flat = {f.name: getattr(self, f.name) for f in _own_fields(ZeroConfig)}
+        for name in _COMPONENTS:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        return flat
+
+    def ignored_options(self) -> list[str]:
+        """Options set away from their default that this stage does not use (stage-3 options under stage 1 or 2)."""
+        if self.stage == 3:
+            return []
+        default = Stage3Config()
+        return [f.name for f in dataclasses.fields(Stage3Config) if getattr(self.stage3, f.name) != getattr(default, f.name)]
+
+
+_COMPONENTS: dict[str, type] = {"comm": CommConfig, "stage3": Stage3Config}
+
+
+def option_defaults() -> dict[str, Any]:
+    """Every flat option of ``ZeroStrategy`` with its default, in a stable order (the Hydra schema is built from it)."""
+    return ZeroConfig().options()
+
+
+def _own_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.name not in _COMPONENTS]
+
+
+def _own(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    return {f.name: options[f.name] for f in _own_fields(cls) if f.name in options}
+
+
+def _check_mib(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a number of MiB > 0")
+
+
+def _check_bool(config: Any, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise ZeroConfigError(f"{name}={getattr(config, name)!r} is invalid: it must be true or false")
+
+
+def _check_names(name: str, value: Any) -> None:
+    if isinstance(value, str) or not isinstance(value, tuple) or not all(isinstance(u, str) and u for u in value):
+        raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a list of module class names or module paths")

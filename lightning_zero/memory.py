@@ -28,21 +28,22 @@ class ModelStateBytes:
 
 
 def model_state_bytes(
-    module: nn.Module, optimizers: Iterable[Optimizer] = (), extra_grad_buffers: Iterable[torch.Tensor] = ()
+    module: nn.Module,
+    optimizers: Iterable[Optimizer] = (),
+    extra_params: Iterable[torch.Tensor] = (),
+    extra_grads: Iterable[torch.Tensor] = (),
+    extra_optimizer: Iterable[torch.Tensor] = (),
 ) -> ModelStateBytes:
-    """Bytes of the parameters of ``module`` and ``optimizers``, their gradients and the optimizers' states.
+    """Bytes of the parameters of ``module``, their gradients and the ``optimizers``' states.
 
-    ``extra_grad_buffers`` adds gradient storage held outside ``.grad`` (e.g. a reducer's persistent shard buffers).
+    The ``extra_*`` tensors are model state held outside the module and the optimizers' ``state`` (a sharding
+    strategy's standalone parameter shards, gradient shard storage, fp32 master copies, which count as optimizer
+    state as in the ZeRO paper's accounting).
     """
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
-    module_params = list(module.parameters())
-    dtypes = {p.dtype for p in module_params}
-    stepped = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    # fp32 master copies of 16-bit parameters are optimizer state, as in the ZeRO paper's accounting.
-    masters = [p for p in stepped if p.dtype not in dtypes]
-    params = module_params + [p for p in stepped if p.dtype in dtypes]
-    grads = [p.grad for p in params + masters if p.grad is not None] + list(extra_grad_buffers)
-    states = masters + [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+    params = list(module.parameters()) + list(extra_params)
+    grads = [p.grad for p in module.parameters() if p.grad is not None] + list(extra_grads)
+    states = list(extra_optimizer) + [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     seen: set[tuple[torch.device, int]] = set()
     return ModelStateBytes(
         params=_storage_bytes(params, seen), grads=_storage_bytes(grads, seen), optimizer=_storage_bytes(states, seen)

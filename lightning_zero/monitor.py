@@ -204,7 +204,7 @@ def _summarize(
     model = None
     bucket_bytes = 0
     if option is not None and precision in estimate.PRECISIONS:
-        bucket_mb = trainer.strategy.config.bucket_mb if option.startswith("zero") else 0.0
+        bucket_mb = trainer.strategy.config.comm.bucket_mb if option.startswith("zero") else 0.0
         e = estimate.estimate(option, num_params, n, precision, bucket_mb, trainable)
         model, bucket_bytes = (e.params, e.grads, e.optimizer), e.buckets
     ddp = estimate.estimate("ddp", num_params, n, _DDP_PRECISION, 0.0, trainable)

@@ -257,10 +257,12 @@ def held_tensor_bytes(
     extra_params: Iterable[torch.Tensor] = (),
     extra_grads: Iterable[torch.Tensor] = (),
     label_roots: dict[str, object] | None = None,
+    extra_optim: Iterable[torch.Tensor] = (),
 ) -> dict:
     """Bytes of unique storages by kind (see [Note: memory]). ``extra_params``: parameter storage not reachable as a
     module parameter (DeepSpeed ZeRO-3's ``ds_tensor`` partitions, lightning_zero stage 3's local shards);
-    ``extra_grads``: gradient storage held outside ``.grad`` (lightning_zero's shard buffers)."""
+    ``extra_grads``: gradient storage held outside ``.grad`` (lightning_zero's shard buffers); ``extra_optim``:
+    optimizer state held outside the optimizer (lightning_zero's fp32 master shards)."""
     seen: set = set()
     cats = {"params": 0, "grads": 0, "optim": 0, "other": 0}
     detail: dict[str, int] = {}
@@ -285,6 +287,8 @@ def held_tensor_bytes(
         add(p.grad, "grads")
     for t in extra_grads:
         add(t, "grads")
+    for t in extra_optim:
+        add(t, "optim")
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:

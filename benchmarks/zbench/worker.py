@@ -193,16 +193,16 @@ def run_lightning(approach, model, batches, rec: Recorder, world: int) -> dict:
 
             def count():
                 strategy = trainer.strategy
-                extra_params, extra_grads = [], []
-                if isinstance(strategy, ZeroStrategy) and strategy.runtime is not None:
-                    extra_params = [s.local for s in strategy.runtime.shards]
-                    extra_grads = strategy.runtime.grad_buffers()
+                held = {}
+                if isinstance(strategy, ZeroStrategy):
+                    held = strategy.runtime.held_tensors()
                     own = strategy.model_state_bytes()
                     info["own_model_state"] = dict(params=own.params, grads=own.grads, optimizer=own.optimizer,
                                                    total=own.total)
                 rec.memory = held_tensor_bytes(
                     pl_module.parameters(), [getattr(o, "_optimizer", o) for o in trainer.optimizers],
-                    extra_params=extra_params, extra_grads=extra_grads,
+                    extra_params=held.get("extra_params", ()), extra_grads=held.get("extra_grads", ()),
+                    extra_optim=held.get("extra_optimizer", ()),
                 )
 
             rec.measure(trainer.global_step, count)

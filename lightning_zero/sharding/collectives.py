@@ -1,4 +1,9 @@
-"""The only module that calls ``torch.distributed``: collectives on flat buffers, async handles, byte accounting.
+"""The only module that calls ``torch.distributed``: bucket-level collectives, async handles, byte accounting.
+
+Every tensor handed to a collective must live on the group's device (NCCL refuses CPU tensors outright); each call
+checks that and names the caller's tensor when it does not. Buckets (``flat_param.Bucket``) are packed into their
+rank-major buffers here, in one fused copy, and ``InFlight`` is the one pipeline that launches bucket collectives,
+caps how many are pending and completes them in order.
 
 [Note: which algorithm each collective uses]
 On NCCL the native ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are bandwidth-optimal and used as they
@@ -18,17 +23,24 @@ beside it as ``wire_bytes``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.sharding.flat_param import Bucket
 
 #: Bucket collectives (gradient reduce-scatters, parameter all-gathers) in flight at once: bounds the transient memory
 #: of full-size bucket buffers to this many while still overlapping one with the packing of the next.
 MAX_IN_FLIGHT = 2
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A tensor handed to a collective is not on the process group's device."""
 
 
 @dataclass
@@ -64,102 +76,151 @@ class CommStats:
         self.by_op.clear()
 
 
-class Handle:
-    """An in-flight collective; ``wait()`` blocks until it is done and runs its completion step once."""
+class Pending:
+    """An in-flight collective; ``wait()`` blocks until it is done and returns its result (once computed)."""
 
-    def __init__(self, works: list, on_done: Callable[[], None] | None = None) -> None:
+    def __init__(self, works: list, result: Callable[[], Any]) -> None:
         self._works = works
-        self._on_done = on_done
+        self._result = result
+        self._value: Any = None
+        self._done = False
 
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works = []
-        if self._on_done is not None:
-            on_done, self._on_done = self._on_done, None
-            on_done()
+    def wait(self) -> Any:
+        if not self._done:
+            for work in self._works:
+                work.wait()
+            self._value, self._done = self._result(), True
+            self._works, self._result = [], None
+        return self._value
+
+
+class InFlight:
+    """Collectives launched bucket by bucket and completed in launch order, at most ``limit`` pending at once."""
+
+    def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
+        self.limit = limit
+        self._queue: deque[tuple[Pending, Callable[[Any], None]]] = deque()
+
+    def add(self, pending: Pending, on_done: Callable[[Any], None]) -> None:
+        self._queue.append((pending, on_done))
+        while len(self._queue) > self.limit:
+            self._complete_oldest()
+
+    def drain(self) -> None:
+        while self._queue:
+            self._complete_oldest()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _complete_oldest(self) -> None:
+        pending, on_done = self._queue.popleft()
+        on_done(pending.wait())
 
 
 class Collectives:
-    """Collectives over one process group (default: the world), with byte accounting in ``stats``.
+    """Collectives over one process group (default: the world) on ``device``, with byte accounting in ``stats``.
 
-    A world of size 1, or no initialized process group, turns every call into a local no-op that moves no bytes.
+    A world of size 1, or no initialized process group, turns every call into a local no-op that moves no bytes,
+    unless ``shortcut_single_rank=False`` (which still issues the collectives at world size 1, e.g. to run every
+    NCCL call on one GPU).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | None = None,
+        group: dist.ProcessGroup | None = None,
+        shortcut_single_rank: bool = True,
+        stats: CommStats | None = None,
+    ) -> None:
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.native = self.distributed and dist.get_backend(group) == "nccl"
-        #: Where this group's collectives can read and write tensors.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.native else torch.device("cpu")
-        self.stats = CommStats()
+        self.backend = dist.get_backend(group) if self.distributed else None
+        self.native = self.backend == "nccl"
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if self.native else torch.device("cpu")
+        if self.native and device.type != "cuda":
+            raise CollectiveDeviceError(f"the NCCL process group needs CUDA tensors, but the model is on {device}")
+        #: Where this group's collectives read and write tensors.
+        self.device = device
+        self.local = not self.distributed or (self.world_size == 1 and shortcut_single_rank)
+        self.stats = stats if stats is not None else CommStats()
+
+    def check(self, what: str, where: Tensor | torch.device) -> None:
+        """Raise, naming ``what``, unless ``where`` (a tensor or a device) is this group's device."""
+        device = where.device if isinstance(where, Tensor) else where
+        if device.type != self.device.type or (
+            device.index is not None and self.device.index is not None and device.index != self.device.index
+        ):
+            raise CollectiveDeviceError(
+                f"{what} is on {device}, but this process group's collectives ({self.backend or 'local'}) "
+                f"work on {self.device}: move it to {self.device} before handing it to a collective"
+            )
 
     def _global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def reduce_scatter_mean(self, full: Tensor) -> tuple[Tensor, Handle]:
-        """Average a rank-major buffer of ``N * S`` elements across ranks.
+    # ------------------------------------------------------------------------------------------- bucket collectives
 
-        Returns this rank's averaged segment (``S`` elements, valid once the handle is waited on) and the handle.
-        ``full`` is consumed: its contents are undefined afterwards. The input is divided by ``N`` before summing,
-        as ``DistributedDataParallel`` does, so the result matches its gradients.
-        """
+    def reduce_scatter(self, bucket: Bucket, grads: Sequence[Tensor | None], what: str = "gradients") -> Pending:
+        """Average full-shape gradients across ranks; the pending result is this rank's reduced shards (one view
+        per parameter of ``bucket``, in the bucket's dtype). ``None`` gradients count as zeros."""
+        self.check(f"the {what} of {bucket.shards[0].name}", bucket.device)
+        buffer = bucket.empty()
+        bucket.pack(grads, buffer)
         n = self.world_size
-        segment_numel = full.numel() // n
-        if n == 1:
-            return full, Handle([])
-        full.div_(n)
-        nbytes = full.numel() * full.element_size()
+        if self.local:
+            return Pending([], lambda: bucket.local_views(buffer))
+        buffer.div_(n)  # before the sum, as DistributedDataParallel does, so the result matches its gradients
+        nbytes = buffer.numel() * buffer.element_size()
         if self.native:
-            out = torch.empty(segment_numel, dtype=full.dtype, device=full.device)
-            work = dist.reduce_scatter_tensor(out, full, group=self.group, async_op=True)
+            out = bucket.empty(bucket.segment_numel)
+            work = dist.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
             self.stats.record("reduce_scatter", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
-            return out, Handle([work])
-        work = dist.all_reduce(full, group=self.group, async_op=True)
+            return Pending([work], lambda: bucket.local_views(out))
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self.stats.record("reduce_scatter", nbytes * (n - 1) / n, 2 * nbytes * (n - 1) / n)
-        return full.view(n, segment_numel)[self.rank], Handle([work])
+        return Pending([work], lambda: bucket.local_views(bucket.segment(buffer)))
 
-    def all_gather_(self, full: Tensor) -> Handle:
-        """In-place all-gather: each rank has written its own segment of ``full``; the handle fills the others."""
+    def all_gather(self, bucket: Bucket, shards: Sequence[Tensor] | None = None) -> Pending:
+        """Gather every rank's shards of ``bucket`` (default: each shard's ``local``, cast to the bucket's dtype);
+        the pending result is the full rank-major buffer, for ``Bucket.unpack`` or ``Bucket.unpack_to_storage``."""
+        sources = [s.local for s in bucket.shards] if shards is None else shards
+        self.check(f"the shard of {bucket.shards[0].name}", sources[0])
+        buffer = bucket.empty()
+        with torch.no_grad():
+            bucket.pack_local(sources, bucket.segment(buffer))
         n = self.world_size
-        if n == 1:
-            return Handle([])
-        nbytes = full.numel() * full.element_size()
+        if self.local:
+            return Pending([], lambda: buffer)
+        nbytes = buffer.numel() * buffer.element_size()
         self.stats.record("all_gather", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
-        table = full.view(n, -1)
+        table = buffer.view(n, -1)
         if self.native:
-            work = dist.all_gather_into_tensor(full, table[self.rank], group=self.group, async_op=True)
-            return Handle([work])
-        works = [
-            dist.broadcast(table[r], src=self._global_rank(r), group=self.group, async_op=True) for r in range(n)
-        ]
-        return Handle(works)
+            works = [dist.all_gather_into_tensor(buffer, table[self.rank], group=self.group, async_op=True)]
+        else:
+            works = [dist.broadcast(table[r], src=self._global_rank(r), group=self.group, async_op=True) for r in range(n)]
+        return Pending(works, lambda: buffer)
 
-    def all_reduce_sum_(self, tensor: Tensor) -> None:
-        """Sum ``tensor`` in place across ranks (small tensors: norms, flags)."""
-        if self.world_size == 1:
+    # ----------------------------------------------------------------------------------------------- small tensors
+
+    def all_reduce_(self, tensor: Tensor, what: str, op: str = "sum") -> None:
+        """Reduce ``tensor`` in place across ranks with ``op`` ("sum" or "max"): small tensors (norms, flags, counts)."""
+        self.check(what, tensor)
+        if self.local:
             return
         nbytes = tensor.numel() * tensor.element_size()
         n = self.world_size
         self.stats.record("all_reduce", 2 * nbytes * (n - 1) / n, 2 * nbytes * (n - 1) / n)
-        dist.all_reduce(tensor, group=self.group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
 
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.group)
-
-    def device_mesh(self):
-        """A 1-D ``DeviceMesh`` over this group (for DTensor views of the shards in checkpoints)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
-        return DeviceMesh(self.device.type, ranks)
-
-    def broadcast_(self, tensors: list[Tensor], src: int = 0) -> None:
+    def broadcast_(self, tensors: Sequence[Tensor], what: str, src: int = 0) -> None:
         """Overwrite ``tensors`` in place with the values held by group rank ``src``."""
-        if self.world_size == 1 or not tensors:
+        for tensor in tensors:
+            self.check(what, tensor)
+        if self.local or not tensors:
             return
         works = []
         for tensor in tensors:
@@ -168,3 +229,15 @@ class Collectives:
             works.append(dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True))
         for work in works:
             work.wait()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group, **({"device_ids": [self.device.index]} if self.native else {}))
+
+    def device_mesh(self):
+        """A 1-D ``DeviceMesh`` over this group (for DTensor views of the shards in checkpoints)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
+        return DeviceMesh(self.device.type, ranks)
+

@@ -1,4 +1,5 @@
-"""Bookkeeping of who owns which elements: per-parameter dim-0 shards and the flat buffers used to move them.
+"""Bookkeeping of who owns which elements: per-parameter dim-0 shards, the buckets used to move them, and the
+sharded/unsharded transitions of a parameter.
 
 Nothing in this module calls ``torch.distributed``; it is plain tensor arithmetic and is unit-tested without processes.
 
@@ -6,17 +7,28 @@ Nothing in this module calls ``torch.distributed``; it is plain tensor arithmeti
 Every parameter is split on dim 0 into ``world_size`` chunks of ``ceil(rows / world_size)`` rows each (a 0-d
 parameter counts as one row). Rank ``r`` owns rows ``[r * c, min((r + 1) * c, rows))``, which may be empty for the
 last ranks when a parameter has fewer rows than there are ranks. Owned rows are contiguous in the parameter's storage,
-so the local shard of a full parameter is a view, not a copy.
+so the local shard of a contiguous full parameter is a view, not a copy.
 
-For a collective, several parameters are packed into one flat buffer laid out rank-major: ``N`` segments of ``S``
-elements, where segment ``r`` is the concatenation of each parameter's chunk ``r`` padded to ``c * row_numel``
-elements. A reduce-scatter of that buffer leaves rank ``r`` with exactly its segment, and an all-gather of the
-segments rebuilds the buffer. Padding is at most ``N - 1`` rows per parameter and is always zero.
+For a collective, the parameters of a ``Bucket`` (one dtype, one device) are packed into one flat buffer laid out
+rank-major: ``N`` segments of ``S`` elements, where segment ``r`` is the concatenation of each parameter's chunk ``r``
+padded to ``c * row_numel`` elements. A reduce-scatter of that buffer leaves rank ``r`` with exactly its segment, and
+an all-gather of the segments rebuilds the buffer. Padding is at most ``N - 1`` rows per parameter and is always zero.
+Packing is one fused ``torch._chunk_cat`` and unpacking one ``torch.split_with_sizes_copy``, not a loop of copies.
 
 Alternative considered: one flat concatenation of all parameters with each rank owning a contiguous 1/N (DeepSpeed,
 FSDP1). It balances perfectly and avoids the pack copies, but hands the optimizer ragged pieces of matrices, forbids
 frozen and trainable parameters in one buffer, and makes state dicts and resharding need communication. Dim-0
 shards keep every shard a rectangular slice of a named parameter.
+
+[Note: the reduced gradient lives in param.grad]
+Once a parameter's gradient is reduced, ``param.grad`` holds this rank's shard of the averaged gradient: its owned
+rows, shape ``spec.local_shape``, in the reduction dtype (FSDP2's parameters hold local gradient shards the same
+way). The tensor is assigned while ``param.data`` momentarily has that shape, because ``param.grad``'s setter insists
+on the parameter's own shape. Keeping it there is what makes the optimizer's ``zero_grad`` (which walks its
+``param_groups``, the module's parameters) clear it, or zero it in place, with no hook on the optimizer: the next
+backward's reduction then starts from nothing, or accumulates onto the zeros, exactly as ``zero_grad`` means for
+DDP's full gradients. Before each backward the runtime takes such shards out of ``param.grad`` (autograd must find
+it empty or full-shaped) and adds the new reduction to them.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -84,28 +96,105 @@ class ShardSpec:
         return torch.Size((self.local_rows, *self.shape[1:]))
 
     def local_view(self, full: Tensor) -> Tensor:
-        """The owned rows of a full tensor of this spec's shape, as a view sharing its storage."""
+        """The owned rows of a full tensor of this spec's shape, as a view of it (whatever its strides)."""
         lo, hi = self.owned_rows()
-        return full.view(self.rows, *self.shape[1:])[lo:hi]
+        return (full if full.dim() > 0 else full.reshape(1)).narrow(0, lo, hi - lo)
+
+    def other_rows(self, full: Tensor) -> tuple[Tensor, Tensor]:
+        """Views of the rows of ``full`` before and after the owned ones."""
+        lo, hi = self.owned_rows()
+        rows = full if full.dim() > 0 else full.reshape(1)
+        return rows.narrow(0, 0, lo), rows.narrow(0, hi, self.rows - hi)
 
 
-class FlatLayout:
-    """Where each of a group of parameters sits in a rank-major flat buffer (see [Note: how a parameter is split]).
+@dataclass(eq=False)
+class ParamShard:
+    """One model parameter and this rank's shard of it.
 
-    ``segment_numel`` is the per-rank segment ``S``; a full buffer has ``world_size * S`` elements.
+    ``param`` is the module's own ``nn.Parameter``: the optimizer's ``param_groups`` and user code keep referring to
+    it. ``local`` holds the owned rows the optimizer updates: in full precision with stages 1 and 2 a view of
+    ``param``'s rows (a step updates the full parameter in place); with stage 3 or 16-bit working parameters a
+    standalone tensor (the fp32 master in mixed precision). Stage 3 frees the full parameter between uses
+    (``to_sharded``) and points it at gathered storage for a forward or backward (``to_unsharded``).
     """
 
-    def __init__(self, specs: Sequence[ShardSpec]) -> None:
-        if not specs:
-            raise ValueError("a FlatLayout needs at least one parameter")
-        world_sizes = {s.world_size for s in specs}
-        if len(world_sizes) != 1:
-            raise ValueError(f"all specs of a layout must share one world size, got {sorted(world_sizes)}")
-        self.specs = tuple(specs)
-        self.world_size = specs[0].world_size
-        self.rank = specs[0].rank
-        self.offsets: tuple[int, ...] = tuple(_cumulative([s.padded_numel for s in specs]))
-        self.segment_numel = sum(s.padded_numel for s in specs)
+    name: str
+    param: nn.Parameter
+    spec: ShardSpec
+    local: Tensor
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.param.numel() == 0 and self.spec.numel > 0
+
+    def to_sharded(self) -> None:
+        """Free the full parameter: an empty tensor of its dtype and device (0 bytes, never freed memory)."""
+        self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.param.device)
+
+    def to_unsharded(self, storage: Tensor) -> None:
+        """Make the full parameter a view of ``storage`` (at least ``spec.numel`` elements of its dtype)."""
+        self.param.data = storage[: self.spec.numel].view(self.spec.shape)
+
+    def view_rows(self) -> None:
+        """fp32 stages 1 and 2: ``local`` becomes (again) a view of the full parameter's owned rows."""
+        self.local = self.spec.local_view(self.param.detach())
+
+    def set_grad_shard(self, grad: Tensor | None) -> None:
+        """Put a reduced gradient shard (or None) in ``param.grad``, whatever the parameter's current shape."""
+        if grad is None or (grad.shape == self.param.shape and grad.dtype == self.param.dtype):
+            self.param.grad = grad
+            return
+        data = self.param.data
+        self.param.data = grad
+        try:
+            self.param.grad = grad
+        finally:
+            self.param.data = data
+
+
+def shard_parameters(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    rank: int,
+    world_size: int,
+    master_dtype: torch.dtype | None = None,
+) -> list[ParamShard]:
+    """A :class:`ParamShard` per parameter, its local rows a view of the full parameter, or a copy in
+    ``master_dtype`` (for fp32 masters of 16-bit parameters, or the standalone shards of stage 3)."""
+    shards = []
+    for name, param in named_params:
+        spec = ShardSpec(param.shape, rank, world_size)
+        rows = spec.local_view(param.detach())
+        if master_dtype is not None:
+            rows = rows.to(master_dtype, copy=True)
+        shards.append(ParamShard(name, param, spec, rows))
+    return shards
+
+
+class Bucket:
+    """Shards of one dtype and device that one collective moves, and their rank-major layout
+    (see [Note: how a parameter is split]).
+
+    ``segment_numel`` is the per-rank segment ``S``; a full buffer has ``world_size * S`` elements of ``dtype``.
+    """
+
+    def __init__(self, shards: Sequence[ParamShard], dtype: torch.dtype | None = None) -> None:
+        if not shards:
+            raise ValueError("a Bucket needs at least one parameter")
+        self.shards = list(shards)
+        first = self.shards[0]
+        self.world_size = first.spec.world_size
+        self.rank = first.spec.rank
+        self.dtype = dtype or first.param.dtype
+        self.device = first.param.device
+        self.padded_numels = [s.spec.padded_numel for s in self.shards]
+        self.segment_numel = sum(self.padded_numels)
+        self._offsets = [0]
+        for size in self.padded_numels[:-1]:
+            self._offsets.append(self._offsets[-1] + size)
 
     @property
     def full_numel(self) -> int:
@@ -113,139 +202,94 @@ class FlatLayout:
 
     @property
     def unpadded_numel(self) -> int:
-        return sum(s.numel for s in self.specs)
+        return sum(s.spec.numel for s in self.shards)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def empty(self, numel: int | None = None) -> Tensor:
+        return torch.empty(self.full_numel if numel is None else numel, dtype=self.dtype, device=self.device)
+
+    def segment(self, buffer: Tensor, rank: int | None = None) -> Tensor:
+        """Rank ``rank``'s (default: this rank's) segment of a full rank-major buffer."""
+        return buffer.view(self.world_size, self.segment_numel)[self.rank if rank is None else rank]
 
     def pack(self, tensors: Sequence[Tensor | None], out: Tensor) -> None:
-        """Write full tensors (``None`` counts as zeros) into the rank-major buffer ``out``, zeroing the padding."""
-        table = out.view(self.world_size, self.segment_numel)
-        for spec, offset, tensor in zip(self.specs, self.offsets, tensors):
-            dst = table[:, offset : offset + spec.padded_numel]
+        """Write full-shape tensors (``None`` counts as zeros) into the rank-major buffer ``out``, casting to its
+        dtype and zeroing the padding."""
+        inputs = []
+        for shard, tensor in zip(self.shards, tensors):
             if tensor is None:
-                dst.zero_()
-                continue
-            src = tensor.reshape(-1)
-            full, rem = divmod(spec.numel, spec.padded_numel)
-            dst[:full].copy_(src[: full * spec.padded_numel].view(full, spec.padded_numel))
-            if full < self.world_size:
-                dst[full, :rem].copy_(src[full * spec.padded_numel :])
-                dst[full, rem:].zero_()
-                dst[full + 1 :].zero_()
+                tensor = torch.zeros(shard.spec.shape, dtype=out.dtype, device=out.device)
+            inputs.append(tensor.reshape(shard.spec.rows, -1))
+        torch._chunk_cat(inputs, dim=0, num_chunks=self.world_size, out=out.view(self.world_size, -1))
+
+    def pack_local(self, tensors: Sequence[Tensor], segment: Tensor) -> None:
+        """Write this rank's unpadded shards into its segment (cast to the segment's dtype), zeroing the padding."""
+        pieces = []
+        for shard, tensor in zip(self.shards, tensors):
+            pieces.append(tensor.reshape(-1))
+            pad = shard.spec.padded_numel - shard.spec.local_numel
+            if pad:
+                pieces.append(torch.zeros(pad, dtype=segment.dtype, device=segment.device))
+        torch.cat(pieces, out=segment)
 
     def unpack(self, buffer: Tensor, tensors: Sequence[Tensor]) -> None:
-        """Copy a rank-major buffer back into full tensors, dropping the padding (the inverse of ``pack``)."""
-        table = buffer.view(self.world_size, self.segment_numel)
-        for spec, offset, tensor in zip(self.specs, self.offsets, tensors):
-            src = table[:, offset : offset + spec.padded_numel]
-            dst = tensor.view(-1)
-            full, rem = divmod(spec.numel, spec.padded_numel)
-            dst[: full * spec.padded_numel].view(full, spec.padded_numel).copy_(src[:full])
-            if rem:
-                dst[full * spec.padded_numel :].copy_(src[full, :rem])
+        """Copy a rank-major buffer into full-shape tensors of any strides, dropping the padding."""
+        outs, staged = [], []
+        for shard, tensor, padded in zip(self.shards, tensors, self.padded_numels):
+            direct = shard.spec.numel == self.world_size * padded and tensor.is_contiguous() and tensor.dtype == buffer.dtype
+            if direct:
+                outs.append(tensor.view(self.world_size, padded))
+            else:
+                out = torch.empty(self.world_size, padded, dtype=buffer.dtype, device=buffer.device)
+                outs.append(out)
+                staged.append((tensor, out.view(-1)[: shard.spec.numel].view(shard.spec.shape)))
+        torch.split_with_sizes_copy(buffer.view(self.world_size, -1), self.padded_numels, dim=1, out=outs)
+        if staged:
+            torch._foreach_copy_([dst for dst, _ in staged], [src for _, src in staged])
 
-    def pack_local(self, shards: Sequence[Tensor], segment: Tensor) -> None:
-        """Write this rank's unpadded shards into its segment, zeroing the padding."""
-        for spec, view, shard in zip(self.specs, self.segment_views(segment), shards):
-            view[: spec.local_rows].copy_(shard)
-            view[spec.local_rows :].zero_()
-
-    def segment_views(self, segment: Tensor) -> list[Tensor]:
-        """Per-parameter views ``(rows_per_rank, *shape[1:])`` of one rank's segment, padding included."""
-        return [
-            segment[offset : offset + spec.padded_numel].view(spec.rows_per_rank, *spec.shape[1:])
-            for spec, offset in zip(self.specs, self.offsets)
-        ]
+    def unpack_to_storage(self, buffer: Tensor) -> list[Tensor]:
+        """Copy a rank-major buffer into one new parameter-major tensor; returns each parameter's (padded) storage,
+        to be viewed at its shape (stage 3 unsharding: one copy, no staging)."""
+        storage = torch.empty(self.full_numel, dtype=buffer.dtype, device=buffer.device)
+        pieces = list(storage.split([self.world_size * p for p in self.padded_numels]))
+        outs = [piece.view(self.world_size, p) for piece, p in zip(pieces, self.padded_numels)]
+        torch.split_with_sizes_copy(buffer.view(self.world_size, -1), self.padded_numels, dim=1, out=outs)
+        return pieces
 
     def local_views(self, segment: Tensor) -> list[Tensor]:
-        """Per-parameter views of the unpadded shards inside one rank's segment."""
-        return [view[: spec.local_rows] for spec, view in zip(self.specs, self.segment_views(segment))]
+        """Per-parameter views of the unpadded shards inside one rank's segment, at their local shapes."""
+        return [
+            segment[offset : offset + shard.spec.local_numel].view(shard.spec.local_shape)
+            for shard, offset in zip(self.shards, self._offsets)
+        ]
 
 
-def _cumulative(sizes: Iterable[int]) -> list[int]:
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += size
-    return offsets
+def make_buckets(shards: Sequence[ParamShard], bucket_bytes: int, dtype: torch.dtype | None = None) -> list[Bucket]:
+    """Consecutive buckets of shards of one dtype and device whose full buffer stays within ``bucket_bytes``.
 
-
-@dataclass(eq=False)
-class ParamShard:
-    """One model parameter and this rank's shard of it.
-
-    ``local`` is the ``nn.Parameter`` the optimizer updates. In full precision with stages 1 and 2 it is a view of the
-    owned rows of ``full``, so a step on it updates the full parameter in place; with stage 3 or with 16-bit working
-    parameters it is a standalone tensor (the fp32 master in mixed precision). ``grad`` holds the averaged gradient
-    of the owned rows as the reducer left it (in the reduction dtype); when it has ``local``'s dtype it is also
-    ``local.grad``, otherwise the optimizer step gives ``local`` an fp32 copy for the duration of the step.
+    ``dtype`` overrides the buffer dtype (a reduction in fp32 of 16-bit gradients) for floating-point parameters. A
+    parameter larger than the cap gets a bucket of its own; order is preserved.
     """
-
-    name: str
-    full: torch.nn.Parameter
-    spec: ShardSpec
-    local: torch.nn.Parameter
-    grad: Tensor | None = None
-
-    @property
-    def trainable(self) -> bool:
-        return self.full.requires_grad
-
-    def set_grad(self, grad: Tensor) -> None:
-        self.grad = grad
-        if grad.dtype == self.local.dtype:
-            self.local.grad = grad
-
-    def clear_grad(self, set_to_none: bool) -> None:
-        """What ``optimizer.zero_grad(set_to_none)`` means for the reduced gradient."""
-        if self.grad is not None:
-            if set_to_none:
-                self.grad = None
-            else:
-                self.grad.zero_()
-
-
-def shard_parameters(
-    named_params: Iterable[tuple[str, torch.nn.Parameter]],
-    rank: int,
-    world_size: int,
-    detached: dict[torch.nn.Parameter, tuple[torch.Size, Tensor]] | None = None,
-    master_dtype: torch.dtype | None = None,
-) -> list[ParamShard]:
-    """Make a :class:`ParamShard` per parameter.
-
-    Without ``detached`` each local shard is a view of the owned rows of the full parameter (stages 1 and 2), or a
-    copy in ``master_dtype`` when that is given. With it, each parameter maps to its full shape and its standalone
-    local rows (stage 3, where the full parameter is freed between uses).
-    """
-    shards = []
-    for name, param in named_params:
-        if detached is None:
-            spec = ShardSpec(param.shape, rank, world_size)
-            rows = spec.local_view(param.detach())
-            if master_dtype is not None:
-                rows = rows.to(master_dtype, copy=True)
-        else:
-            shape, rows = detached[param]
-            spec = ShardSpec(shape, rank, world_size)
-        shards.append(ParamShard(name, param, spec, torch.nn.Parameter(rows, requires_grad=param.requires_grad)))
-    return shards
-
-
-def group_into_buckets(shards: Sequence[ParamShard], bucket_bytes: int) -> list[list[ParamShard]]:
-    """Consecutive buckets of shards of one dtype and device whose full flat buffer stays within ``bucket_bytes``.
-
-    A parameter larger than the cap gets a bucket of its own; order is preserved.
-    """
-    buckets: list[list[ParamShard]] = []
+    buckets: list[Bucket] = []
     current: list[ParamShard] = []
     current_bytes = 0
+
+    def kind(shard: ParamShard) -> tuple[torch.dtype, torch.device]:
+        return shard.param.dtype, shard.param.device
+
     for shard in shards:
-        size = shard.spec.padded_numel * shard.spec.world_size * shard.full.element_size()
-        same_kind = not current or (current[0].full.dtype, current[0].full.device) == (shard.full.dtype, shard.full.device)
-        if current and (not same_kind or current_bytes + size > bucket_bytes):
-            buckets.append(current)
+        size = shard.spec.padded_numel * shard.spec.world_size * shard.param.element_size()
+        if current and (kind(current[0]) != kind(shard) or current_bytes + size > bucket_bytes):
+            buckets.append(Bucket(current, _buffer_dtype(current[0], dtype)))
             current, current_bytes = [], 0
         current.append(shard)
         current_bytes += size
     if current:
-        buckets.append(current)
+        buckets.append(Bucket(current, _buffer_dtype(current[0], dtype)))
     return buckets
+
+
+def _buffer_dtype(shard: ParamShard, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and shard.param.is_floating_point() else shard.param.dtype

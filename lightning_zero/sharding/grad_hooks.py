@@ -1,243 +1,273 @@
-"""Gradient reduction during backward: post-accumulate-grad hooks -> bucket -> reduce-scatter -> local grad shard.
+"""Gradient reduction: where reduced gradient shards live (``GradShards``), and stages 1 and 2's pipeline
+(``GradReducer``): post-accumulate-grad hooks -> buckets -> reduce-scatter -> gradient shard in ``param.grad``.
+Stage 3 reduces per unit instead (param_hooks.py), into the same ``GradShards``.
 
 [Note: bucket order and unused parameters]
-Buckets are built in the reverse order of ``module.parameters()`` (roughly the order backward produces gradients,
-as in ``DistributedDataParallel``). A bucket is launched when all its parameters' gradients are ready, but never
-before the buckets in front of it: every rank therefore issues the same collectives in the same order even when
-ranks take different control flow. At the end of backward every bucket not yet launched is launched, with zeros
-for parameters that got no gradient, so a parameter unused on some ranks (or on all) is reduced consistently and
-nothing hangs.
+Buckets are built over the parameters that require a gradient, in the reverse order of ``module.parameters()``
+(roughly the order backward produces gradients, as in ``DistributedDataParallel``). A bucket is launched when all its
+parameters' gradients are ready, but never before the buckets in front of it: every rank therefore issues the same
+collectives in the same order even when ranks take different control flow. When backward ends every bucket not yet
+launched is launched, with zeros for parameters that got no gradient, so a parameter unused on some ranks (or on all)
+is reduced consistently and nothing hangs. Which parameters require a gradient may change between backward passes
+(Lightning's ``toggle_optimizer``, ``BaseFinetuning``): the bucket plan is looked up per backward by that set, and
+every rank changes it the same way.
 
 [Note: stage 1 versus stage 2 gradients]
-Stage 1 keeps full gradients, as DDP does: micro-batches accumulate into ``param.grad`` with no communication, and
-at the accumulation boundary each bucket is reduce-scattered and the averaged owned rows are written back into
-``param.grad`` (the optimizer's shard gradient is a view of those rows; the other rows are zeroed so that any
-``zero_grad`` leaves a clean gradient). Stage 2 reduces on every backward, accumulates the averaged rows into a
-persistent shard-sized buffer, and frees each full gradient as soon as its bucket is packed.
+Stage 1 keeps full gradients, as DDP does: micro-batches accumulate into ``param.grad`` with no communication (inside
+``no_sync``), and at the accumulation boundary each bucket is reduce-scattered and the averaged owned rows are
+written into the full gradient's own rows, which ``param.grad`` then shows (a view; see [Note: the reduced gradient
+lives in param.grad]). Stage 2 reduces on every backward, adds the averaged rows into a persistent shard-sized buffer
+per parameter, and frees each full gradient as soon as its bucket is packed.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, Collectives, Handle
-from lightning_zero.sharding.flat_param import FlatLayout, ParamShard, group_into_buckets
+from lightning_zero.config import CommConfig
+from lightning_zero.sharding.collectives import Collectives, InFlight
+from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
 
+class GradHooks:
+    """A post-accumulate-grad hook on every parameter that requires a gradient, calling ``on_ready(shard)``.
 
-class _Bucket:
-    def __init__(self, index: int, shards: Sequence[ParamShard]) -> None:
-        self.index = index
-        self.shards = list(shards)
-        self.layout = FlatLayout([s.spec for s in shards])
-        self.ready = [False] * len(self.shards)
-        self.used_anywhere = [True] * len(self.shards)
+    torch only hooks tensors that require a gradient, and a frozen parameter may be unfrozen later (``BaseFinetuning``,
+    ``toggle_optimizer``): ``cover`` is called again before every backward and hooks the newly trainable ones.
+    """
 
-    @property
-    def complete(self) -> bool:
-        return all(self.ready)
+    def __init__(self, on_ready: Callable[[ParamShard], None]) -> None:
+        self.on_ready = on_ready
+        self._handles: dict[ParamShard, Any] = {}
 
+    def cover(self, shards: Iterable[ParamShard]) -> None:
+        for shard in shards:
+            if shard not in self._handles and shard.param.requires_grad:
+                self._handles[shard] = shard.param.register_post_accumulate_grad_hook(self._hook(shard))
 
-class GradReducer:
-    """Reduce-scatters the gradients of ``shards`` bucket by bucket; subclasses decide where the result is kept."""
-
-    #: Whether Lightning's ``block_backward_sync`` (gradient accumulation) may defer reduction to the boundary.
-    defers_during_accumulation: bool = False
-
-    def __init__(
-        self,
-        shards: Sequence[ParamShard],
-        comms: Collectives,
-        bucket_bytes: int,
-        find_unused_parameters: bool = False,
-        reduce_dtype: torch.dtype | None = None,
-    ) -> None:
-        self.comms = comms
-        self.find_unused_parameters = find_unused_parameters
-        self.reduce_dtype = reduce_dtype
-        self._warned_unused = False
-        trainable = [s for s in reversed(shards) if s.trainable]
-        self.buckets = [_Bucket(i, b) for i, b in enumerate(group_into_buckets(trainable, bucket_bytes))]
-        self._in_flight: deque[tuple[_Bucket, Tensor, Handle]] = deque()
-        self._next_launch = 0
-        self._started = False
-        self.sync = True
-        self._hooks = []
-        for bucket in self.buckets:
-            for position, shard in enumerate(bucket.shards):
-                hook = self._make_hook(bucket, position)
-                self._hooks.append(shard.full.register_post_accumulate_grad_hook(hook))
-
-    def _make_hook(self, bucket: _Bucket, position: int):
+    def _hook(self, shard: ParamShard):
         def hook(_param: Tensor) -> None:
-            self._on_grad_ready(bucket, position)
+            self.on_ready(shard)
 
         return hook
 
-    @property
-    def active(self) -> bool:
-        return self.sync or not self.defers_during_accumulation
+    def remove(self) -> None:
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
 
-    def _on_grad_ready(self, bucket: _Bucket, position: int) -> None:
-        if not self.active:
+
+class GradShards:
+    """The reduced gradient shards of a module between backward and step, with ``zero_grad``'s meaning.
+
+    After a reduction each shard's ``param.grad`` shows its reduced rows (see [Note: the reduced gradient lives in
+    param.grad]). ``take`` (before a backward) moves those the user did not drop out of autograd's way, so that the
+    next reduction adds onto them; ``settle`` (after it) puts back those that no reduction touched.
+    ``keep_full_grads`` (stage 1) shows a view of the full gradient's own rows; otherwise the rows live in a
+    persistent shard-sized buffer per parameter.
+    """
+
+    def __init__(self, world_size: int, keep_full_grads: bool) -> None:
+        self.world_size = world_size
+        self.keep_full_grads = keep_full_grads
+        self._given: dict[ParamShard, Tensor] = {}
+        self._held: dict[ParamShard, Tensor] = {}
+        self._full: dict[ParamShard, Tensor] = {}
+        self._storage: dict[ParamShard, Tensor] = {}
+
+    def take(self) -> None:
+        """Before a backward: carry the shards still in ``param.grad`` into it (``zero_grad`` drops them)."""
+        for shard, given in self._given.items():
+            full = self._full.pop(shard, None)
+            if shard.param.grad is not given:  # dropped by zero_grad(set_to_none=True), or replaced by the user
+                continue
+            self._held[shard] = given
+            shard.param.grad = self._full_holding(shard, full, given) if self.keep_full_grads else None
+        self._given.clear()
+
+    def _full_holding(self, shard: ParamShard, full: Tensor, rows: Tensor) -> Tensor:
+        """Stage 1: the full gradient whose own rows are ``N`` times the reduced rows and whose other rows are zero,
+        so that the next average adds exactly the new gradients to them."""
+        for other in shard.spec.other_rows(full):
+            other.zero_()
+        rows.mul_(self.world_size)
+        return full
+
+    @torch.no_grad()
+    def store(self, shard: ParamShard, rows: Tensor, full: Tensor | None = None) -> None:
+        """Keep the averaged rows of ``shard`` (stage 1: in ``full``, the gradient that was reduced)."""
+        if self.keep_full_grads:
+            if full is None:
+                full = torch.zeros_like(shard.param)
+            self._full[shard] = full
+            destination = shard.spec.local_view(full)
+            destination.copy_(rows)
+        else:
+            destination = self._storage.get(shard)
+            if destination is None or destination.dtype != rows.dtype:
+                destination = self._storage[shard] = torch.empty_like(rows)
+            if shard in self._held:
+                destination.add_(rows)
+            else:
+                destination.copy_(rows)
+        self._held.pop(shard, None)
+        self._give(shard, destination)
+
+    def settle(self) -> None:
+        """After a backward's reductions: shards carried into it that no rank reduced keep their values."""
+        for shard, held in self._held.items():
+            if self.keep_full_grads:
+                held.div_(self.world_size)
+            self._give(shard, held)
+        self._held.clear()
+
+    def _give(self, shard: ParamShard, grad_shard: Tensor) -> None:
+        self._given[shard] = grad_shard
+        shard.set_grad_shard(grad_shard)
+
+    def buffers(self) -> list[Tensor]:
+        """Persistent shard storage (stage 2 and 3), for memory accounting."""
+        return list(self._storage.values())
+
+
+class GradReducer:
+    """Stages 1 and 2: reduce-scatters the gradients of ``shards`` bucket by bucket into ``GradShards``.
+
+    ``keep_full_grads`` is stage 1 (full gradients persist, reduction deferred to the accumulation boundary);
+    otherwise stage 2 (only gradient shards persist, reduction on every backward).
+    """
+
+    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, config: CommConfig, keep_full_grads: bool):
+        self.comms = comms
+        self.config = config
+        self.keep_full_grads = keep_full_grads
+        self.grad_shards = GradShards(comms.world_size, keep_full_grads)
+        self._order = [s for s in reversed(shards) if s.param.is_floating_point()]
+        self._plans: dict[tuple[bool, ...], list[Bucket]] = {}
+        self._plan_key: tuple[bool, ...] | None = None
+        self._buckets: list[Bucket] = []
+        self._position: dict[ParamShard, tuple[int, int]] = {}
+        self._ready: list[list[bool]] = []
+        self._next_launch = 0
+        self._in_flight = InFlight()
+        self._deferring = False
+        self._started = False
+        self._warned_unused = False
+        self._hooks = GradHooks(self._on_grad_ready)
+        self._hooks.cover(self._order)
+        self._use_plan()
+
+    # ---------------------------------------------------------------------------------------------- before backward
+
+    def pre_backward(self) -> None:
+        """Before every backward: the bucket plan of the parameters that now require a gradient, and the gradient
+        shards of the last reduction carried in (unless ``zero_grad`` dropped them)."""
+        if self._started:
+            self.finish()  # a backward that ran outside Lightning's hooks (a bare ``loss.backward()``)
+        self._hooks.cover(self._order)
+        self._use_plan()
+        self.grad_shards.take()
+
+    def _use_plan(self) -> None:
+        key = tuple(s.param.requires_grad for s in self._order)
+        if key != self._plan_key:
+            if key not in self._plans:
+                trainable = [s for s, t in zip(self._order, key) if t]
+                self._plans[key] = make_buckets(trainable, self.config.bucket_bytes, self.config.reduce_torch_dtype)
+            self._plan_key, self._buckets = key, self._plans[key]
+            self._position = {s: (b, i) for b, bucket in enumerate(self._buckets) for i, s in enumerate(bucket.shards)}
+        self._ready = [[False] * len(b) for b in self._buckets]
+        self._next_launch = 0
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: stage 1 lets full gradients accumulate locally; stage 2 still reduces."""
+        self._deferring = self.keep_full_grads
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    # ----------------------------------------------------------------------------------------------- during backward
+
+    def _on_grad_ready(self, shard: ParamShard) -> None:
+        if self._deferring or shard not in self._position:
             return
         self._started = True
-        bucket.ready[position] = True
-        if self.find_unused_parameters:
+        b, i = self._position[shard]
+        self._ready[b][i] = True
+        if self.config.find_unused_parameters:
             return
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
-            self._launch(self.buckets[self._next_launch])
+        while self._next_launch < len(self._buckets) and all(self._ready[self._next_launch]):
+            self._launch(self._next_launch)
 
-    def _dtype(self, bucket: _Bucket) -> torch.dtype:
-        return self.reduce_dtype or bucket.shards[0].full.dtype
+    def _launch(self, index: int, used: list[bool] | None = None) -> None:
+        bucket = self._buckets[index]
+        grads = [s.param.grad if used is None or used[i] else None for i, s in enumerate(bucket.shards)]
+        pending = self.comms.reduce_scatter(bucket, grads)
+        if not self.keep_full_grads:
+            for shard in bucket.shards:
+                shard.param.grad = None
+        self._next_launch = index + 1
+        self._in_flight.add(pending, lambda reduced: self._store(bucket, grads, reduced, used))
 
-    def _launch(self, bucket: _Bucket) -> None:
-        first = bucket.shards[0].full
-        buffer = torch.empty(bucket.layout.full_numel, dtype=self._dtype(bucket), device=first.device)
-        bucket.layout.pack([s.full.grad for s in bucket.shards], buffer)
-        self._after_pack(bucket)
-        segment, handle = self.comms.reduce_scatter_mean(buffer)
-        self._in_flight.append((bucket, segment, handle))
-        self._next_launch += 1
-        while len(self._in_flight) > MAX_IN_FLIGHT:
-            self._complete_oldest()
+    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None) -> None:
+        for i, (shard, full, rows) in enumerate(zip(bucket.shards, grads, reduced)):
+            if used is None or used[i]:
+                self.grad_shards.store(shard, rows, full)
 
-    def _complete_oldest(self) -> None:
-        bucket, segment, handle = self._in_flight.popleft()
-        handle.wait()
-        reduced = bucket.layout.local_views(segment)
-        keep = bucket.used_anywhere if self.find_unused_parameters else [True] * len(bucket.shards)
-        self._store([s for s, k in zip(bucket.shards, keep) if k], [r for r, k in zip(reduced, keep) if k], bucket)
+    # ------------------------------------------------------------------------------------------------ after backward
 
-    def finish(self, backward_ran: bool = True) -> None:
-        """Reduce what is left of this backward and wait for all of it.
+    def post_backward(self) -> None:
+        """After every backward Lightning runs (on every rank): reduce what is left, wait for all of it."""
+        if not self._deferring:
+            self.finish()
 
-        ``backward_ran=True`` (from the strategy's ``post_backward``, which every rank reaches) reduces every bucket
-        even if no hook fired on this rank; ``False`` (before an optimizer step) only completes a started reduction.
-        """
-        if not self.active or not (self._started or backward_ran):
-            return
-        if self.find_unused_parameters:
-            self._agree_on_used()
-        elif not self._warned_unused:
+    def finish(self) -> None:
+        """Launch every bucket not launched yet (zeros for missing gradients) and wait for all reductions."""
+        used = self._agree_on_used() if self.config.find_unused_parameters else None
+        if used is None and not self._warned_unused:
             self._warn_unused()
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
-        while self._in_flight:
-            self._complete_oldest()
-        for bucket in self.buckets:
-            bucket.ready = [False] * len(bucket.shards)
+        while self._next_launch < len(self._buckets):
+            self._launch(self._next_launch, used[self._next_launch] if used is not None else None)
+        self._in_flight.drain()
+        self.grad_shards.settle()
+        self._ready = [[False] * len(b) for b in self._buckets]
         self._next_launch = 0
         self._started = False
 
-    def _agree_on_used(self) -> None:
-        flags = torch.tensor([float(r) for b in self.buckets for r in b.ready])
-        self.comms.all_reduce_sum_(flags)
+    def _agree_on_used(self) -> list[list[bool]]:
+        flags = torch.tensor([float(r) for ready in self._ready for r in ready], device=self.comms.device)
+        self.comms.all_reduce_(flags, "the find_unused_parameters flags")
         used = (flags > 0).tolist()
-        for bucket in self.buckets:
-            bucket.used_anywhere, used = used[: len(bucket.shards)], used[len(bucket.shards) :]
+        out = []
+        for ready in self._ready:
+            out.append(used[: len(ready)])
+            used = used[len(ready) :]
+        return out
 
     def _warn_unused(self) -> None:
-        unused = [s.name for b in self.buckets for s, r in zip(b.shards, b.ready) if not r]
-        if unused:
+        unused = [s.name for bucket, ready in zip(self._buckets, self._ready) for s, r in zip(bucket.shards, ready) if not r]
+        if unused and self._started:
             self._warned_unused = True
-            rank_zero_warn(
-                f"{len(unused)} parameter(s) got no gradient in a backward (e.g. "
-                f"{unused[:3]}); they are reduced as zeros, so the optimizer still steps them. Pass "
-                "find_unused_parameters=True to skip parameters that no rank used, as DDP does."
-            )
+            warn_unused(unused)
 
-    def prepare_backward(self) -> None:
-        """Called before every backward; see subclasses."""
+    def grad_buffers(self) -> list[Tensor]:
+        return self.grad_shards.buffers()
 
     def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-
-    def _after_pack(self, bucket: _Bucket) -> None:
-        """Called once a bucket's gradients are copied into its flat buffer."""
-
-    def _store(self, shards: list[ParamShard], reduced: list[Tensor], bucket: _Bucket) -> None:
-        """Keep the averaged owned rows ``reduced`` of ``shards`` (those of ``bucket`` that someone used)."""
-        raise NotImplementedError
-
-    def grad_buffers(self) -> list[Tensor]:
-        """Persistent gradient storage owned by the reducer (for memory accounting)."""
-        return []
+        self._hooks.remove()
 
 
-class FullGradReducer(GradReducer):
-    """Stage 1: full gradients kept and accumulated locally; reduced at the accumulation boundary."""
-
-    defers_during_accumulation = True
-
-    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, **kwargs) -> None:
-        super().__init__(shards, comms, bucket_bytes, **kwargs)
-        self._holds_reduced = False
-
-    def _store(self, shards: list[ParamShard], reduced: list[Tensor], bucket: _Bucket) -> None:
-        for shard, rows in zip(shards, reduced):
-            grad = shard.full.grad
-            if grad is None:
-                grad = shard.full.grad = torch.zeros_like(shard.full)
-            lo, hi = shard.spec.owned_rows()
-            table = grad.view(shard.spec.rows, -1)
-            table[:lo].zero_()
-            table[hi:].zero_()
-            owned = shard.spec.local_view(grad)
-            owned.copy_(rows)
-            shard.set_grad(owned)
-        self._holds_reduced = True
-
-    def prepare_backward(self) -> None:
-        """Make ``param.grad`` hold only unreduced local gradient again before autograd accumulates into it.
-
-        After a reduction the full gradient holds the averaged owned rows (zeros elsewhere). If the optimizer's
-        ``zero_grad`` dropped the reduced gradient, the full one goes too. If it was zeroed in place, the rows are
-        already zero. If it was kept, the rows are scaled by ``N`` so that the next average adds exactly the new
-        gradients to them, as DDP's all-reduce of an accumulated gradient does.
-        """
-        if not self._holds_reduced:
-            return
-        for bucket in self.buckets:
-            for shard in bucket.shards:
-                if shard.grad is None:
-                    shard.full.grad = None
-                else:
-                    shard.grad.mul_(self.comms.world_size)
-        self._holds_reduced = False
-
-
-class ShardGradReducer(GradReducer):
-    """Stage 2: only the local gradient shard persists; full gradients are freed as soon as they are packed."""
-
-    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, bucket_bytes: int, **kwargs) -> None:
-        super().__init__(shards, comms, bucket_bytes, **kwargs)
-        self._segments: list[Tensor | None] = [None] * len(self.buckets)
-
-    def _after_pack(self, bucket: _Bucket) -> None:
-        for shard in bucket.shards:
-            shard.full.grad = None
-
-    def _store(self, shards: list[ParamShard], reduced: list[Tensor], bucket: _Bucket) -> None:
-        index = bucket.index
-        if self._segments[index] is None:
-            device = bucket.shards[0].full.device
-            self._segments[index] = torch.zeros(bucket.layout.segment_numel, dtype=self._dtype(bucket), device=device)
-        destination = dict(zip(bucket.shards, bucket.layout.local_views(self._segments[index])))
-        for shard, rows in zip(shards, reduced):
-            if shard.grad is None:
-                dst = destination[shard]
-                dst.copy_(rows)
-                shard.set_grad(dst)
-            else:
-                shard.grad.add_(rows)
-
-    def grad_buffers(self) -> list[Tensor]:
-        return [s for s in self._segments if s is not None]
+def warn_unused(names: list[str]) -> None:
+    rank_zero_warn(
+        f"{len(names)} parameter(s) got no gradient in a backward (e.g. {names[:3]}); they are reduced as zeros, so "
+        "the optimizer still steps them. Pass find_unused_parameters=True to skip parameters that no rank used, as "
+        "DDP does."
+    )

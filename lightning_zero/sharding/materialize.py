@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.sharding.flat_param import ShardSpec
-from lightning_zero.sharding.param_hooks import free_full_parameter
 
 
 def rng_state(device: torch.device) -> Tensor:
@@ -78,7 +77,7 @@ def materialize_shards(
         for param in fresh:
             spec = ShardSpec(param.shape, rank, world_size)
             local_rows[param] = (param.shape, spec.local_view(param.detach()).clone())
-            free_full_parameter(param)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     return local_rows
 
 

@@ -1,173 +1,145 @@
 """ShardedOptimizer: the user's own torch optimizer, stepping only this rank's shards.
 
-[Note: the user's optimizer object is kept]
-``configure_optimizers`` builds an optimizer over the full parameters. Rather than wrapping it in a new class, its
-``param_groups`` are re-pointed, in place and in the same order, at the local shard parameters before the first step.
-The object the user and their LR schedulers hold stays the optimizer that steps: its class, hyper-parameters and
-groups keep working, any ``torch.optim`` class that updates element-wise works (Adam, AdamW, SGD with momentum, ...),
-and the per-parameter state it creates is shard-sized. Optimizers whose update depends on a parameter's full shape
-(e.g. Shampoo, Muon, Adafactor's factored moments) would see a row block instead and are not supported.
+[Note: the user's optimizer object is kept, and so are its param_groups]
+``configure_optimizers`` builds an optimizer over the module's parameters, and its ``param_groups`` keep exactly
+those parameters: code that looks parameters up there (Lightning's ``toggle_optimizer``, ``BaseFinetuning``'s
+``add_param_group``, LR schedulers, the user's own) finds what it expects, and the object pickles as it did. Only for
+the duration of an update (and of a state-dict load) does each parameter's ``.data`` become its local shard (the fp32
+master under mixed precision) and its ``.grad`` the reduced gradient shard, in the master's dtype; then both are put
+back. So the optimizer's per-parameter state is shard-sized, keyed by the module's parameters, and any ``torch.optim``
+class that updates element-wise works (Adam, AdamW, SGD with momentum, Adagrad, ...). Optimizers whose update depends
+on a parameter's full shape or on all parameters at once (LBFGS, Adafactor's factored moments, Muon, SparseAdam) are
+refused when the strategy shards them, with the reason.
 
-The optimizer's ``zero_grad`` is extended (through a subclass made for that one instance, so ``isinstance`` and the
-class name are unchanged) to also clear the reduced gradients that the sharding keeps beside ``param.grad`` (see
-``ParamShard.grad``).
-
-[Note: gradients at the optimizer step]
-The step is where loss scaling, clipping and the precision of the update meet. ``prepare_step`` computes, from the
-reduced gradient shards, whether any rank saw an inf/NaN (fp16 loss scaling: one all-reduce of a flag) and the
-global gradient norm (one all-reduce of a sum of squares, equal to what ``clip_grad_norm_`` computes on DDP's full
-gradients), folds the loss-scale inverse and the clipping coefficient into one factor, and applies it: in place
-when the optimizer steps the reduced gradients themselves (fp32), or while making the fp32 copy that an fp32 master
-shard needs (16-bit working parameters), a copy that lives only for the step.
+State an optimizer created before it was sharded (Adagrad fills its sums in ``__init__``) is cut to the local rows.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, Collectives, Handle
-from lightning_zero.sharding.flat_param import FlatLayout, ParamShard, group_into_buckets
+from lightning_zero.sharding.flat_param import ParamShard
 
+#: Optimizers whose update is not element-wise, and why ZeRO cannot step them on row shards.
+NOT_ELEMENT_WISE = {
+    "LBFGS": "it re-evaluates the closure and takes dot products over all parameters at once",
+    "SparseAdam": "it needs sparse gradients, which are never reduce-scattered",
+    "Adafactor": "its factored second moments are row and column statistics of whole matrices",
+    "Muon": "it orthogonalizes whole weight matrices",
+}
 
 
 class ShardedOptimizer:
-    """Points ``optimizer`` at the local shards of its parameters and all-gathers them after each step."""
+    """Steps ``optimizer`` on the local shards of its parameters (see the module docstring)."""
 
-    def __init__(
-        self, optimizer: Optimizer, shard_of: dict[torch.nn.Parameter, ParamShard], comms: Collectives, bucket_bytes: int
-    ) -> None:
-        if optimizer.state:
-            raise RuntimeError(
-                f"{type(optimizer).__name__} already holds state for {len(optimizer.state)} parameters; ZeRO must "
-                "shard an optimizer before its first step"
-            )
+    def __init__(self, optimizer: Optimizer, shard_of: dict[torch.nn.Parameter, ParamShard]) -> None:
+        name = type(optimizer).__name__
+        for base in type(optimizer).__mro__:
+            if base.__name__ in NOT_ELEMENT_WISE and base.__module__.startswith("torch.optim"):
+                raise ValueError(
+                    f"{name} cannot be sharded by ZeroStrategy: {NOT_ELEMENT_WISE[base.__name__]}; ZeRO steps each "
+                    "rank's rows of every parameter separately, so only element-wise optimizers (Adam, AdamW, SGD, "
+                    "Adagrad, ...) are supported"
+                )
         self.optimizer = optimizer
-        self.comms = comms
-        self.shards: list[ParamShard] = []
-        for group in optimizer.param_groups:
-            locals_ = []
+        self._shard_of = shard_of
+        with torch.no_grad():
+            self._shard_existing_state()
+
+    @property
+    def shards(self) -> list[ParamShard]:
+        """The shards of the optimizer's parameters, in ``param_groups`` order (groups may have been added since)."""
+        shards = []
+        for group in self.optimizer.param_groups:
             for param in group["params"]:
-                shard = shard_of.get(param)
+                shard = self._shard_of.get(param)
                 if shard is None:
                     raise ValueError(
-                        f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that is not a "
-                        "parameter of the LightningModule; ZeRO can only shard the module's own parameters"
+                        f"{type(self.optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that is not "
+                        "a parameter of the LightningModule; ZeRO can only shard the module's own parameters"
                     )
-                locals_.append(shard.local)
-                self.shards.append(shard)
-            group["params"] = locals_
-        trainable = [s for s in self.shards if s.trainable]
-        self._gather_buckets = [
-            (bucket, FlatLayout([s.spec for s in bucket])) for bucket in group_into_buckets(trainable, bucket_bytes)
-        ]
-        self._wrap_zero_grad()
+                shards.append(shard)
+        return shards
 
-    def _wrap_zero_grad(self) -> None:
-        # A per-instance subclass rather than an instance attribute: Lightning's LightningOptimizer derives its own
-        # class from the optimizer's and would otherwise reach the original ``zero_grad`` through its MRO.
-        cls = type(self.optimizer)
-        shards = self.shards
+    def _shard_existing_state(self) -> None:
+        for shard in self.shards:
+            state = self.optimizer.state.get(shard.param)
+            for key, value in (state or {}).items():
+                if is_per_element(key, value, shard.spec.shape, shard):
+                    state[key] = shard.spec.local_view(value).clone()
 
-        def zero_grad(optimizer: Optimizer, set_to_none: bool = True) -> None:
-            cls.zero_grad(optimizer, set_to_none)
-            for shard in shards:
-                shard.clear_grad(set_to_none)
+    # ------------------------------------------------------------------------------------------------------ the step
 
-        zero_grad.__doc__ = cls.zero_grad.__doc__
-        self.optimizer.__class__ = type(cls.__name__, (cls,), {"zero_grad": zero_grad, "__module__": cls.__module__})
-
-    def found_inf(self) -> bool:
-        """Whether any rank's reduced gradients hold an inf or NaN (one all-reduce)."""
-        grads = [s.grad for s in self.shards if s.grad is not None and s.grad.numel() > 0]
-        flag = torch.zeros(1, device=self.comms.device)
-        if grads:
-            flag += torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any().to(flag.device)
-        self.comms.all_reduce_sum_(flag)
-        return bool(flag.item() > 0)
-
-    def grad_norm(self, scale: float = 1.0) -> torch.Tensor:
-        """Global L2 norm over all ranks' gradient shards (padding excluded), divided by ``scale``."""
-        grads = [s.grad for s in self.shards if s.grad is not None and s.grad.numel() > 0]
-        total = torch.zeros(1, dtype=torch.float32, device=self.comms.device)
-        if grads:
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            total += torch.stack(norms).square().sum().to(total.device)
-        self.comms.all_reduce_sum_(total)
-        return total.sqrt()[0] / scale
+    def step_grads(self) -> list[tuple[ParamShard, Tensor]]:
+        """The reduced gradient shards in the masters' dtype, for shards that have one: the shards themselves when
+        the dtypes agree (fp32), else fp32 copies that live for this step only (16-bit working gradients)."""
+        out = []
+        for shard in self.shards:
+            grad = shard.param.grad
+            if grad is None or grad.shape != shard.spec.local_shape:
+                continue
+            out.append((shard, grad if grad.dtype == shard.local.dtype else grad.to(shard.local.dtype)))
+        return out
 
     @torch.no_grad()
-    def prepare_step(self, factor: float, clip_value: float | None = None) -> None:
-        """Give the optimizer its gradients, multiplied by ``factor`` and clamped to ``clip_value``."""
-        for shard in self.shards:
-            grad = shard.grad
-            if grad is None:
-                continue
-            if grad.dtype == shard.local.dtype:
-                if factor != 1.0:
-                    grad.mul_(factor)
-                shard.local.grad = grad
-            else:
-                shard.local.grad = grad.to(shard.local.dtype).mul_(factor)
-            if clip_value is not None:
-                shard.local.grad.clamp_(-clip_value, clip_value)
+    def update(self, grads: list[tuple[ParamShard, Tensor]], **kwargs: Any) -> Any:
+        """Run the user's ``optimizer.step()`` with the shards swapped in (see the module docstring)."""
+        with self._swapped_in(dict(grads)):
+            return self.optimizer.step(**kwargs)
 
-    def finish_step(self) -> None:
-        """Drop the fp32 gradient copies made for fp32 masters."""
+    @contextmanager
+    def _swapped_in(self, grads: dict[ParamShard, Tensor] | None = None) -> Iterator[None]:
+        saved = []
         for shard in self.shards:
-            if shard.grad is not None and shard.grad.dtype != shard.local.dtype:
-                shard.local.grad = None
+            param = shard.param
+            saved.append((shard, param.data, param.grad))
+            param.data = shard.local
+            if grads is not None:
+                param.grad = grads.get(shard)
+        try:
+            yield
+        finally:
+            for shard, data, grad in saved:
+                shard.param.data = data
+                shard.set_grad_shard(grad)
 
-    def gather_params(self) -> None:
-        """All-gather every updated shard into its full parameter (stages 1 and 2), a bounded number at a time."""
-        gather_into_full(self._gather_buckets, self.comms)
+    # ------------------------------------------------------------------------------------------------- state dicts
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load shard-shaped state (torch casts it to the parameters it sees, so the masters are swapped in)."""
+        with self._swapped_in():
+            self.optimizer.load_state_dict(state_dict)
 
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full-shape optimizer state dict (as written by :meth:`consolidated_state_dict` or by DDP)."""
+        """Load a full-shape optimizer state dict (as DDP or ``consolidate --training-state`` writes it)."""
         groups = state_dict["param_groups"]
+        shards = self.shards
         saved = sum(len(g["params"]) for g in groups)
-        if saved != len(self.shards):
+        if saved != len(shards):
             raise ValueError(
                 f"the checkpoint's {type(self.optimizer).__name__} state covers {saved} parameters but this optimizer "
-                f"has {len(self.shards)}"
+                f"has {len(shards)}"
             )
         local_state: dict[int, dict[str, Any]] = {}
         for index, entry in state_dict["state"].items():
-            shard = self.shards[int(index)]
+            shard = shards[int(index)]
             local_state[index] = {}
             for key, value in entry.items():
                 if is_per_element(key, value, shard.spec.shape, shard):
-                    value = shard.spec.local_view(value.contiguous()).clone()
+                    value = shard.spec.local_view(value).clone()
                 elif torch.is_tensor(value) and value.dim() > 0:
                     raise ValueError(
                         f"optimizer state {key!r} of parameter {shard.name!r} has shape {tuple(value.shape)}, "
                         f"expected {tuple(shard.spec.shape)}"
                     )
                 local_state[index][key] = value
-        self.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
-
-@torch.no_grad()
-def gather_into_full(buckets: list[tuple[list[ParamShard], FlatLayout]], comms: Collectives) -> None:
-    """Rebuild full parameters from every rank's local shard (cast to the parameters' dtype), bucket by bucket."""
-    in_flight: deque[tuple[list[ParamShard], FlatLayout, torch.Tensor, Handle]] = deque()
-    for bucket, layout in buckets:
-        first = bucket[0].full
-        buffer = torch.empty(layout.full_numel, dtype=first.dtype, device=first.device)
-        own_segment = buffer.view(comms.world_size, -1)[comms.rank]
-        layout.pack_local([s.local for s in bucket], own_segment)
-        in_flight.append((bucket, layout, buffer, comms.all_gather_(buffer)))
-        if len(in_flight) > MAX_IN_FLIGHT:
-            _finish_gather(*in_flight.popleft())
-    while in_flight:
-        _finish_gather(*in_flight.popleft())
-
-
-def _finish_gather(bucket: list[ParamShard], layout: FlatLayout, buffer: torch.Tensor, handle: Handle) -> None:
-    handle.wait()
-    layout.unpack(buffer, [s.full.detach() for s in bucket])
+        self.load_state_dict({"state": local_state, "param_groups": groups})
 
 
 def is_per_element(key: str, value: Any, shape: torch.Size, shard: ParamShard) -> bool:

@@ -1,25 +1,32 @@
-"""Stage 3: gather each unit's parameters right before it runs, free them right after, prefetch the next unit.
+"""Stage 3: gather each unit's parameters right before it runs, free them right after, reduce its gradients once its
+backward is done, prefetch the next unit.
 
 [Note: how a full parameter is freed and restored]
-The module keeps its own ``nn.Parameter`` objects, so that user code, tied weights, the optimizer's bookkeeping and
-autograd all refer to one object per parameter. While sharded, its ``.data`` is an empty tensor (code that touches
-it outside a forward sees 0 elements, never freed memory); to unshard, the unit's shards are all-gathered, copied into
-one flat tensor per unit and each parameter's ``.data`` becomes its view of it. Swapping ``.data`` leaves the version
-counter alone, so autograd accepts the parameters it saved in forward once the pre-backward hook has gathered them
-again.
+The module keeps its own ``nn.Parameter`` objects, so that user code, tied weights, the optimizer's ``param_groups``
+and autograd all refer to one object per parameter. While sharded, its ``.data`` is an empty tensor (code that
+touches it outside a forward sees 0 elements, never freed memory); to unshard, each of the unit's buckets (one per
+dtype) is all-gathered and copied into one new tensor, and each parameter's ``.data`` becomes its view of it
+(``ParamShard.to_unsharded``). Swapping ``.data`` leaves the version counter alone, so autograd accepts the parameters
+it saved in forward once the pre-backward hook has gathered them again.
 
 [Note: the life of a unit in one training step]
-forward: pre-hook waits for the unit's all-gather (issued earlier as a prefetch, or now) and issues the next units'
-gathers, up to ``prefetch`` ahead in the order units ran in the previous step; post-hook frees the parameters
-(``reshard_after_forward``) and hooks the outputs' gradients. backward: the first output gradient to arrive
-gathers the unit again and prefetches the units backward will reach next (reverse forward order); once every
-gradients of the unit's inputs exist (backward is through the unit) and every trainable parameter of it has its
-gradient accumulated, the parameters are freed; the gradients go to the reducer in grad_hooks.py. A unit whose
-inputs need no gradient (the first one, or one behind frozen ones) is freed when backward ends. Every rank must run the same units in the same order: unit gathers are collectives.
+forward: the pre-hook waits for the unit's all-gather (issued earlier as a prefetch, or now) and issues the next
+units', up to ``prefetch`` ahead in the order units ran in the previous step; the post-hook frees the parameters
+(``reshard_after_forward``) and hooks the outputs' gradients. backward: the first output gradient to arrive gathers
+the unit again (state ``BACKWARD``) and prefetches the units backward reaches next; once the gradients of the unit's
+inputs exist (backward is through the unit) and every trainable parameter of it has its gradient accumulated, the
+unit is *done*: its gradients are reduce-scattered (one bucket per dtype) and its parameters freed. Reductions are
+launched in one fixed order, the reverse of the unit plan (about backward's order), a done unit waiting for the ones
+in front of it, so every rank issues the same collectives in the same order; when backward ends every unit not
+reduced yet is, with zeros for missing gradients (or, with ``find_unused_parameters``, after agreeing which parameters
+any rank used). The root unit holds the parameters no unit owns (tied weights among them): it is gathered for the
+whole step and reduced last. Activation checkpointing re-runs a unit's forward inside backward: its hooks then only
+make sure the unit is gathered, in state ``BACKWARD``, so recomputation costs no extra all-gather.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum, auto
@@ -28,8 +35,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_zero.sharding.collectives import Collectives, Handle
-from lightning_zero.sharding.flat_param import FlatLayout, ParamShard
+from lightning_zero.config import CommConfig, Stage3Config
+from lightning_zero.sharding.collectives import Collectives, InFlight, Pending
+from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
+from lightning_zero.sharding.grad_hooks import GradHooks, GradShards, warn_unused
+
+_NO_LIMIT = 1 << 62
 
 
 class UnitState(Enum):
@@ -38,95 +49,82 @@ class UnitState(Enum):
     GATHERING = auto()
     """An all-gather of the shards is in flight (a prefetch); the full parameters are not usable yet."""
     UNSHARDED = auto()
-    """The full parameters hold the current values."""
+    """The full parameters hold the current values (forward, evaluation, ``gathered_parameters``)."""
+    BACKWARD = auto()
+    """Gathered for backward; ``Unit.outstanding`` lists what must happen before its gradients can be reduced."""
 
 
 class Unit:
-    """The parameters of one module that are gathered and freed together."""
+    """The parameters of one module that are gathered, freed and reduced together."""
 
-    def __init__(self, name: str, module: nn.Module, shards: Sequence[ParamShard], comms: Collectives) -> None:
-        self.name = name
+    def __init__(self, index: int, name: str, module: nn.Module, shards: Sequence[ParamShard], comms: Collectives):
+        self.index = index
+        self.name = name or "<root>"
         self.module = module
         self.shards = list(shards)
         self.comms = comms
-        self.layout = FlatLayout([s.spec for s in shards]) if shards else None
+        self.gather_buckets = make_buckets(self.shards, _NO_LIMIT)
         self.state = UnitState.SHARDED
-        self._pending: tuple[Tensor, Handle] | None = None
-        self._trainable = sum(1 for s in shards if s.trainable)
-        self._grads_pending = self._trainable
-        self._backward_done = False
+        #: In state BACKWARD: the shards whose gradient has not been accumulated yet, and "inputs" once per forward
+        #: call whose inputs' gradients do not exist yet.
+        self.outstanding: Counter = Counter()
+        self._pending: list[tuple[Bucket, Pending]] = []
+
+    def __repr__(self) -> str:
+        return f"unit {self.name!r}"
+
+    def _expect(self, *states: UnitState) -> None:
+        if self.state not in states:
+            names = " or ".join(s.name for s in states)
+            raise AssertionError(f"{self}: expected state {names}, found {self.state.name}")
 
     def start_unshard(self) -> None:
         """Issue the all-gather of this unit's shards, unless it is already gathered or on its way."""
         if self.state is not UnitState.SHARDED:
             return
-        if self.layout is None:
-            self.state = UnitState.UNSHARDED
-            return
-        first = self.shards[0].full
-        buffer = torch.empty(self.layout.full_numel, dtype=first.dtype, device=first.device)
-        own_segment = buffer.view(self.comms.world_size, -1)[self.comms.rank]
-        with torch.no_grad():
-            self.layout.pack_local([s.local for s in self.shards], own_segment)
-        self._pending = (buffer, self.comms.all_gather_(buffer))
+        self._pending = [(bucket, self.comms.all_gather(bucket)) for bucket in self.gather_buckets]
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
         """Make the full parameters usable, gathering now if no prefetch did."""
         self.start_unshard()
-        if self.state is UnitState.UNSHARDED:
+        if self.state is not UnitState.GATHERING:
             return
-        assert self._pending is not None and self.layout is not None
-        buffer, handle = self._pending
-        self._pending = None
-        handle.wait()
-        first = self.shards[0].full
-        unsharded = torch.empty(self.layout.unpadded_numel, dtype=first.dtype, device=first.device)
-        views = unsharded.split([s.spec.numel for s in self.shards])
-        with torch.no_grad():
-            self.layout.unpack(buffer, views)
-        for shard, view in zip(self.shards, views):
-            shard.full.data = view.view(shard.spec.shape)
+        for bucket, pending in self._pending:
+            for shard, storage in zip(bucket.shards, bucket.unpack_to_storage(pending.wait())):
+                shard.to_unsharded(storage)
+        self._pending = []
         self.state = UnitState.UNSHARDED
-        self._grads_pending = self._trainable
-        self._backward_done = False
 
     def reshard(self) -> None:
         """Free the full parameters (a gather in flight is completed first, to keep ranks' collectives aligned)."""
-        if self.state is UnitState.GATHERING:
-            self.wait_unshard()
-        if self.state is UnitState.UNSHARDED:
-            for shard in self.shards:
-                shard.full.data = _empty_like(shard.full)
+        if self.state is UnitState.SHARDED:
+            return
+        self.wait_unshard()
+        for shard in self.shards:
+            shard.to_sharded()
         self.state = UnitState.SHARDED
 
-    def on_grad_accumulated(self) -> None:
-        self._grads_pending -= 1
-        self._reshard_if_backward_done()
+    def enter_backward(self, input_grad_calls: int) -> None:
+        """Gathered for backward; done once ``outstanding`` empties (``input_grad_calls``: forward calls of this
+        step whose inputs need a gradient)."""
+        if self.state is UnitState.BACKWARD:
+            return
+        self.wait_unshard()
+        self._expect(UnitState.UNSHARDED)
+        self.outstanding = Counter(s for s in self.shards if s.trainable)
+        if input_grad_calls:
+            self.outstanding["inputs"] = input_grad_calls
+        self.state = UnitState.BACKWARD
 
-    def on_backward_through(self) -> None:
-        self._backward_done = True
-        self._reshard_if_backward_done()
-
-    def _reshard_if_backward_done(self) -> None:
-        # Both conditions (see [Note: the life of a unit in one training step]): autograd may still need the
-        # parameters for an input gradient, and AccumulateGrad needs them at full shape.
-        if self._backward_done and self._grads_pending <= 0:
-            self.reshard()
-
-    def detach(self) -> None:
-        """Stop managing the parameters (end of fit: they hold their full values for good)."""
-        self.shards, self.layout, self._pending = [], None, None
-        self.state = UnitState.UNSHARDED
-
-
-def free_full_parameter(param: nn.Parameter) -> None:
-    """The sharded state of a full parameter: an empty tensor of its dtype and device."""
-    param.data = _empty_like(param)
-
-
-def _empty_like(tensor: Tensor) -> Tensor:
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    def mark(self, event: object) -> bool:
+        """Record a backward event (a shard's gradient accumulated, or "inputs"); whether the unit is now done."""
+        if self.state is not UnitState.BACKWARD or event not in self.outstanding:
+            return False
+        self.outstanding[event] -= 1
+        if self.outstanding[event] <= 0:
+            del self.outstanding[event]
+        return not self.outstanding
 
 
 class _PostBackward(torch.autograd.Function):
@@ -144,57 +142,76 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class ParamGatherer:
-    """Runs the units of one module through [Note: the life of a unit in one training step]."""
+def _in_backward() -> bool:
+    """Whether autograd is running a backward now (a forward then is an activation-checkpointing recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
-    def __init__(self, root: Unit, units: Sequence[Unit], prefetch: int, reshard_after_forward: bool) -> None:
+
+class ShardedParams:
+    """Stage 3's addition to stages 1 and 2: units gathered around their forward and backward, reduced per unit
+    (see [Note: the life of a unit in one training step])."""
+
+    def __init__(self, root: Unit, units: Sequence[Unit], comms: Collectives, comm: CommConfig, config: Stage3Config):
         self.root = root
         self.units = list(units)
-        self.prefetch = prefetch
-        self.reshard_after_forward = reshard_after_forward
+        self.comms = comms
+        self.comm = comm
+        self.config = config
+        self.grad_shards = GradShards(comms.world_size, keep_full_grads=False)
+        self._reduce_order = self.units[::-1] + [root]
+        self._reduce_buckets: dict[tuple[Unit, tuple[bool, ...]], list[Bucket]] = {}
+        self._done: set[Unit] = set()
+        self._next_reduce = 0
+        self._in_flight = InFlight()
+        self._input_grad_calls: dict[Unit, int] = {}
         self._forward_order: list[Unit] = []
         self._last_order: list[Unit] = []
+        self._holding = False
+        self._warned_unused = False
         self._hooks = []
         for unit in self.units:
-            pre = unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
-            post = unit.module.register_forward_hook(self._make_post_forward(unit))
-            self._hooks += [pre, post]
-            for shard in unit.shards:
-                if shard.trainable:
-                    self._hooks.append(shard.full.register_post_accumulate_grad_hook(_grad_hook(unit)))
+            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
+            self._hooks.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
+        self._grad_hooks = GradHooks(lambda shard: self._mark(self._unit_of[shard], shard))
+        self._unit_of = {shard: unit for unit in self.all_units for shard in unit.shards}
+        self._grad_hooks.cover(self._unit_of)
 
-    def _make_pre_forward(self, unit: Unit):
+    @property
+    def all_units(self) -> list[Unit]:
+        return [self.root, *self.units]
+
+    # ---------------------------------------------------------------------------------------------------- forward
+
+    def _pre_forward_hook(self, unit: Unit):
         def hook(_module: nn.Module, args: tuple, kwargs: dict):
+            if _in_backward():  # activation checkpointing recomputes the forward: keep it gathered for backward
+                unit.enter_backward(self._input_grad_calls.pop(unit, 0))
+                return None
             if unit not in self._forward_order:
                 self._forward_order.append(unit)
             unit.wait_unshard()
             self._prefetch_after(unit, self._last_order)
-            if not torch.is_grad_enabled():
+            if self._holding or not torch.is_grad_enabled():
                 return None
-            return _register_post_backward(unit.on_backward_through, args, kwargs)
+            routed = _route_through_post_backward(lambda: self._mark(unit, "inputs"), args, kwargs)
+            if routed is None:
+                return None
+            self._input_grad_calls[unit] = self._input_grad_calls.get(unit, 0) + 1
+            return routed
 
         return hook
 
-    def _make_post_forward(self, unit: Unit):
+    def _post_forward_hook(self, unit: Unit):
         def hook(_module: nn.Module, _args: tuple, output):
-            if not torch.is_grad_enabled():
-                unit.reshard()
+            if _in_backward() or self._holding:
                 return None
-            if self.reshard_after_forward:
+            if not torch.is_grad_enabled() or self.config.reshard_after_forward:
                 unit.reshard()
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._make_pre_backward(unit))
+            if torch.is_grad_enabled():
+                for tensor in tree_flatten(output)[0]:
+                    if isinstance(tensor, Tensor) and tensor.requires_grad:
+                        tensor.register_hook(self._pre_backward_hook(unit))
             return None
-
-        return hook
-
-    def _make_pre_backward(self, unit: Unit):
-        def hook(_grad: Tensor) -> None:
-            if unit.state is UnitState.UNSHARDED:
-                return
-            unit.wait_unshard()
-            self._prefetch_after(unit, self._forward_order[::-1])
 
         return hook
 
@@ -202,51 +219,131 @@ class ParamGatherer:
         if unit not in order:
             return
         start = order.index(unit) + 1
-        for candidate in order[start : start + self.prefetch]:
-            if self._live_units() > self.prefetch:
+        for candidate in order[start : start + self.config.prefetch]:
+            if sum(u.state is not UnitState.SHARDED for u in self.units) > self.config.prefetch:
                 break
             candidate.start_unshard()
 
-    def _live_units(self) -> int:
-        return sum(1 for u in self.units if u.state is not UnitState.SHARDED)
+    # --------------------------------------------------------------------------------------------------- backward
+
+    def _pre_backward_hook(self, unit: Unit):
+        def hook(_grad: Tensor) -> None:
+            if unit.state is UnitState.BACKWARD or unit in self._done:
+                return
+            unit.enter_backward(self._input_grad_calls.pop(unit, 0))
+            self._prefetch_after(unit, self._forward_order[::-1])
+
+        return hook
+
+    def _mark(self, unit: Unit, event: object) -> None:
+        if unit is self.root or not unit.mark(event):
+            return
+        unit.reshard()
+        self._done.add(unit)
+        if not self.comm.find_unused_parameters:
+            while self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce] in self._done:
+                self._launch_reduce(self._reduce_order[self._next_reduce])
+
+    def _launch_reduce(self, unit: Unit, used: dict[ParamShard, bool] | None = None) -> None:
+        self._next_reduce += 1
+        for bucket in self._buckets_to_reduce(unit):
+            grads = [s.param.grad if used is None or used[s] else None for s in bucket.shards]
+            if used is None and not self._warned_unused and any(g is None for g in grads):
+                self._warned_unused = True
+                warn_unused([s.name for s, g in zip(bucket.shards, grads) if g is None])
+            pending = self.comms.reduce_scatter(bucket, grads)
+            for shard in bucket.shards:
+                shard.param.grad = None
+            self._in_flight.add(pending, lambda reduced, b=bucket, g=grads: self._store(b, g, reduced))
+
+    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor]) -> None:
+        for shard, grad, rows in zip(bucket.shards, grads, reduced):
+            if grad is not None or not self.comm.find_unused_parameters:
+                self.grad_shards.store(shard, rows)
+
+    def _buckets_to_reduce(self, unit: Unit) -> list[Bucket]:
+        key = (unit, tuple(s.trainable for s in unit.shards))
+        if key not in self._reduce_buckets:
+            trainable = [s for s in unit.shards if s.trainable and s.param.is_floating_point()]
+            self._reduce_buckets[key] = make_buckets(trainable, _NO_LIMIT, self.comm.reduce_torch_dtype)
+        return self._reduce_buckets[key]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: stage 3 reduces every micro-batch into the gradient shards (nothing to defer)."""
+        yield
+
+    def pre_backward(self) -> None:
+        """Before every backward: carry the gradient shards of the last reduction into it (see ``GradShards``)."""
+        self._grad_hooks.cover(self._unit_of)
+        self.grad_shards.take()
+        self._done.clear()
+        self._next_reduce = 0
+
+    def post_backward(self) -> None:
+        """After every backward (on every rank): reduce every unit not reduced yet, in the fixed order, and free
+        every unit but the root (the step may still run forwards through it)."""
+        used = self._agree_on_used() if self.comm.find_unused_parameters else None
+        while self._next_reduce < len(self._reduce_order):
+            self._launch_reduce(self._reduce_order[self._next_reduce], used)
+        self._in_flight.drain()
+        self.grad_shards.settle()
+        for unit in self.units:
+            unit.reshard()
+        self._done.clear()
+        self._next_reduce = 0
+
+    def _agree_on_used(self) -> dict[ParamShard, bool]:
+        shards = [s for unit in self._reduce_order[self._next_reduce :] for b in self._buckets_to_reduce(unit) for s in b.shards]
+        flags = torch.tensor([float(s.param.grad is not None) for s in shards], device=self.comms.device)
+        self.comms.all_reduce_(flags, "the find_unused_parameters flags")
+        return dict(zip(shards, (flags > 0).tolist()))
+
+    # ------------------------------------------------------------------------------------------------------ steps
 
     def begin_step(self) -> None:
-        """Before a training, validation, test or predict step: the root unit's parameters are needed throughout."""
+        """Before a training or evaluation step: the root unit's parameters are needed throughout."""
         self.root.wait_unshard()
 
+    def after_update(self, stepped: Sequence[ParamShard]) -> None:
+        """Nothing to gather now: each unit is gathered from the updated shards when it next runs."""
+
     def end_step(self) -> None:
-        """After backward, or after a step without one: free every unit still gathered (frozen units whose inputs
-        need no gradient, units with unused outputs, the root)."""
+        """After the step's last backward, or an evaluation step: free every unit, the root included."""
         if self._forward_order:
             self._last_order, self._forward_order = self._forward_order, []
-        for unit in self.units + [self.root]:
-            unit.reshard()
+        self._input_grad_calls.clear()
+        if not self._holding:
+            for unit in self.all_units:
+                unit.reshard()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """All full parameters present for user code (generation, export); freed again on exit."""
-        for unit in [self.root] + self.units:
+        """Every unit gathered, and kept so through forwards run meanwhile; freed again on exit."""
+        if self._holding:
+            yield
+            return
+        for unit in self.all_units:
             unit.wait_unshard()
+        self._holding = True
         try:
             yield
         finally:
-            for unit in self.units + [self.root]:
+            self._holding = False
+            for unit in self.all_units:
                 unit.reshard()
+
+    def grad_buffers(self) -> list[Tensor]:
+        return self.grad_shards.buffers()
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._grad_hooks.remove()
 
 
-def _grad_hook(unit: Unit):
-    def hook(_param: Tensor) -> None:
-        unit.on_grad_accumulated()
-
-    return hook
-
-
-def _register_post_backward(callback, args: tuple, kwargs: dict):
+def _route_through_post_backward(callback, args: tuple, kwargs: dict):
     """Route the tensor inputs that need a gradient through :class:`_PostBackward`; ``None`` if there are none."""
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]

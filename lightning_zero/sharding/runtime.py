@@ -1,14 +1,33 @@
-"""ZeroRuntime: the composition of a stage's parts around one module, for one fit (or evaluation).
+"""ZeroRuntime: the sharding of one module, composed per stage, and the one owner of the optimizer step.
 
-Stage 1 is the sharded optimizer plus a reduction of full gradients at the accumulation boundary
-(``FullGradReducer``); stage 2 swaps in the reducer that keeps only gradient shards (``ShardGradReducer``); stage 3
-keeps that reducer and adds the parameter gatherer of param_hooks.py, with standalone local shards instead of views.
+Stage 1 is the sharded optimizer, a ``GradReducer`` that keeps full gradients and reduces them at the accumulation
+boundary, and ``ReplicatedParams`` (all-gather after the update). Stage 2 swaps in the reducer that keeps only
+gradient shards. Stage 3 replaces both with ``ShardedParams`` (param_hooks.py), which gathers each unit around its
+forward and backward and reduces per unit. The runtime only talks to these two roles: ``self.gradients`` (before and
+after each backward) and ``self.parameters`` (around each step, after each update).
+
+[Note: one optimizer step]
+The walk of a zero2 step, from ``training_step`` to the next forward (zero3 differences in brackets):
+
+1. Reduce. ``begin_step`` broadcasts buffers from rank 0 (as DDP) [and gathers the root unit]. The closure runs
+   ``training_step`` [each unit's pre-forward hook waits for its all-gather, prefetches the next, the post-forward
+   hook frees it] and backward: ``pre_backward`` carries the last gradient shards into it, post-accumulate-grad hooks
+   pack each full bucket and launch its reduce-scatter [the unit is gathered again when its outputs' gradients arrive
+   and reduced, then freed, once backward is through it], and ``post_backward`` launches the rest and waits.
+   Lightning's ``on_before_optimizer_step`` runs here, and records a clip request.
+2. Update. ``step`` takes each parameter's reduced gradient shard (fp32 copies under mixed precision), agrees
+   across ranks on the global norm with one all-reduce of a sum of squares (only when clipping or loss scaling: a
+   non-finite sum is an fp16 overflow, and the step is skipped on every rank), folds the loss-scale inverse and the
+   clip coefficient into one factor on the device, and runs the user's optimizer on the local shards.
+3. Gather. The updated shards are all-gathered into the full parameters, bucket by bucket [nothing: each unit is
+   gathered when it next runs]. ``end_step`` [frees the root unit].
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -16,20 +35,22 @@ from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.collectives import Collectives
-from lightning_zero.sharding.flat_param import FlatLayout, ParamShard, ShardSpec, group_into_buckets, shard_parameters
-from lightning_zero.sharding.grad_hooks import FullGradReducer, GradReducer, ShardGradReducer
-from lightning_zero.sharding.optimizer import ShardedOptimizer, gather_into_full
-from lightning_zero.sharding.param_hooks import ParamGatherer, Unit, free_full_parameter
+from lightning_zero.sharding.flat_param import ParamShard, ShardSpec, make_buckets, shard_parameters
+from lightning_zero.sharding.grad_hooks import GradReducer
+from lightning_zero.sharding.optimizer import ShardedOptimizer
+from lightning_zero.sharding.param_hooks import ShardedParams, Unit
+from lightning_zero.sharding.replicated import ReplicatedParams
 from lightning_zero.sharding.units import plan_units
 
-_REDUCERS: dict[int, type[GradReducer]] = {1: FullGradReducer, 2: ShardGradReducer, 3: ShardGradReducer}
+#: Local rows already cut from parameters built on the meta device: full shape and rows (see materialize.py).
+Materialized = dict[nn.Parameter, tuple[torch.Size, Tensor]]
 
 
 class ZeroRuntime:
-    """Shards ``module``'s parameters, reduces its gradients, gathers them on use (stage 3), shards the optimizers.
+    """Shards ``module``'s parameters, reduces its gradients, gathers them (stage 3 on use), steps its optimizers.
 
-    ``detached`` (stage 3 only) gives the full shape and local rows of parameters already freed by large-model init.
-    ``working_dtype`` (mixed precision) makes the module's parameters 16-bit and the optimizer's shards fp32 masters.
+    ``working_dtype`` (mixed precision) makes floating-point fp32 parameters 16-bit and their optimizer shards fp32
+    masters (BatchNorm's stay fp32: ``F.batch_norm`` needs its weight in the running statistics' dtype).
     """
 
     def __init__(
@@ -37,43 +58,48 @@ class ZeroRuntime:
         module: nn.Module,
         config: ZeroConfig,
         comms: Collectives,
-        detached: dict[nn.Parameter, tuple[torch.Size, Tensor]] | None = None,
         working_dtype: torch.dtype | None = None,
+        materialized: Materialized | None = None,
     ) -> None:
         self.module = module
         self.config = config
         self.comms = comms
         self.working_dtype = working_dtype
+        _refuse_complex(module)
+        self.cast = _working_parameters(module) if working_dtype is not None else set()
         if config.stage == 3:
-            detached = _detach_local_rows(module, comms, detached or {})
-            named = [(n, p) for n, p in module.named_parameters() if detached[p][0].numel() > 0]
+            self.shards = _stage3_shards(module, comms, self.cast, materialized or {})
         else:
-            named = [(n, p) for n, p in module.named_parameters() if p.numel() > 0]
-        master = torch.float32 if working_dtype is not None else None
-        self.shards: list[ParamShard] = shard_parameters(named, comms.rank, comms.world_size, detached, master)
-        if working_dtype is not None:
-            _cast_full_parameters(self.shards, working_dtype)
-        self._shard_of = {s.full: s for s in self.shards}
-        self.reducer = _REDUCERS[config.stage](
-            self.shards,
-            comms,
-            config.bucket_bytes,
-            find_unused_parameters=config.find_unused_parameters,
-            reduce_dtype=config.reduce_torch_dtype,
-        )
-        self.gatherer = self._make_gatherer() if config.stage == 3 else None
+            self.shards = _replicated_shards(module, comms, self.cast)
+        with torch.no_grad():
+            for shard in self.shards:
+                if shard.param in self.cast:
+                    shard.param.data = shard.param.data.to(working_dtype)
+        self.shard_of = {s.param: s for s in self.shards}
+        if config.stage == 3:
+            self.parameters = self.gradients = self._sharded_params()
+        else:
+            self.parameters = ReplicatedParams(comms, config.comm)
+            self.gradients = GradReducer(self.shards, comms, config.comm, keep_full_grads=config.stage == 1)
         self.optimizers: dict[int, ShardedOptimizer] = {}
+        self.last_grad_norm: Tensor | None = None
+        #: Whether ``release`` gave the module its full parameters back (end of fit).
+        self.released = False
 
-    def _make_gatherer(self) -> ParamGatherer:
-        root_plan, plans = plan_units(self.module, self.config.units, self.config.unit_bytes)
+    def _sharded_params(self) -> ShardedParams:
+        root_plan, plans = plan_units(self.module, self.config.stage3.units, self.config.stage3.unit_bytes)
 
-        def unit(plan) -> Unit:
-            return Unit(plan.name, plan.module, [self._shard_of[p] for p in plan.params if p in self._shard_of], self.comms)
+        def unit(index: int, plan) -> Unit:
+            shards = [self.shard_of[p] for p in plan.params if p in self.shard_of]
+            return Unit(index, plan.name, plan.module, shards, self.comms)
 
-        return ParamGatherer(unit(root_plan), [unit(p) for p in plans], self.config.prefetch, self.config.reshard_after_forward)
+        units = [unit(i + 1, p) for i, p in enumerate(plans)]
+        return ShardedParams(unit(0, root_plan), units, self.comms, self.config.comm, self.config.stage3)
+
+    # ---------------------------------------------------------------------------------------------- optimizers
 
     def shard_optimizer(self, optimizer: Optimizer) -> ShardedOptimizer:
-        sharded = ShardedOptimizer(optimizer, self._shard_of, self.comms, self.config.bucket_bytes)
+        sharded = ShardedOptimizer(optimizer, self.shard_of)
         self.optimizers[id(optimizer)] = sharded
         return sharded
 
@@ -85,42 +111,101 @@ class ZeroRuntime:
                 f"{type(optimizer).__name__} was not returned by configure_optimizers, so ZeRO has not sharded it"
             ) from None
 
+    # --------------------------------------------------------------------------------------------------- a step
+
     def begin_step(self, training: bool) -> None:
         """Before a training/evaluation step: buffers from rank 0 (as DDP), the root unit's parameters (stage 3)."""
-        if training and self.config.broadcast_buffers:
-            self.comms.broadcast_(_floating_buffers(self.module))
-        if self.gatherer is not None:
-            self.gatherer.begin_step()
+        if training and self.config.comm.broadcast_buffers:
+            self.comms.broadcast_(_floating_buffers(self.module), "the module's floating-point buffers")
+        self.parameters.begin_step()
+
+    def pre_backward(self) -> None:
+        self.gradients.pre_backward()
+
+    def post_backward(self) -> None:
+        self.gradients.post_backward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation between optimizer steps (stage 1 defers reduction to the boundary)."""
+        with self.gradients.no_sync():
+            yield
 
     def end_step(self) -> None:
-        """After backward, or after an evaluation step: free what stage 3 still holds gathered."""
-        if self.gatherer is not None:
-            self.gatherer.end_step()
+        """After the step's last backward, or after an evaluation step: free what stage 3 still holds gathered."""
+        self.parameters.end_step()
 
-    def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Stages 1 and 2 all-gather the updated shards now; stage 3 gathers them when each unit next runs."""
-        if self.gatherer is None:
-            self.sharded(optimizer).gather_params()
+    def step(self, optimizer: Optimizer, closure: Callable[[], Any], precision: Any, automatic: bool, **kwargs: Any):
+        """Run ``closure`` (forward and backward), then update ``optimizer``'s shards and gather them; see
+        [Note: one optimizer step]. ``precision`` supplies the loss scaler and the recorded clip request."""
+        result = closure()
+        sharded = self.sharded(optimizer)
+        clip = precision.take_clip()
+        if result is None and automatic:
+            self.end_step()
+            return None  # training_step returned None: no backward, no step (as Lightning's AMP plugin)
+        grads = sharded.step_grads()
+        scaler = precision.scaler
+        if not self._scale_and_clip([g for _, g in grads], scaler, clip):
+            return None
+        output = sharded.update(grads, **kwargs)
+        self.parameters.after_update([s for s, _ in grads])
+        return output
+
+    @torch.no_grad()
+    def _scale_and_clip(self, grads: list[Tensor], scaler: Any, clip: tuple[str, float] | None) -> bool:
+        """Unscale (fp16) and clip ``grads`` in place, after one all-reduce of their sum of squares; False when an
+        fp16 overflow on any rank skips the step (the scaler backs off)."""
+        inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+        by_norm = clip is not None and clip[0] == "norm"
+        factor: Tensor | float = inv_scale
+        if scaler is not None or by_norm:
+            norm = self._global_norm(grads) * inv_scale
+            if scaler is not None:
+                found_inf = (~torch.isfinite(norm)).float()
+                scaler.update_from(found_inf)
+                if found_inf.item():
+                    return False
+            if by_norm:
+                self.last_grad_norm = norm
+                factor = inv_scale * torch.clamp(clip[1] / (norm + 1e-6), max=1.0)
+        if grads and (torch.is_tensor(factor) or factor != 1.0):
+            torch._foreach_mul_(grads, factor)
+        if clip is not None and clip[0] == "value" and grads:
+            torch._foreach_clamp_min_(grads, -clip[1])
+            torch._foreach_clamp_max_(grads, clip[1])
+        return True
+
+    def _global_norm(self, grads: list[Tensor]) -> Tensor:
+        """The L2 norm of every rank's gradient shards together (padding excluded): one all-reduce."""
+        total = torch.zeros((), dtype=torch.float32, device=self.comms.device)
+        for dtype in {g.dtype for g in grads}:
+            group = [g for g in grads if g.dtype == dtype and g.numel() > 0]
+            if group:
+                norms = torch._foreach_norm(group, 2)
+                total += torch.stack(norms).float().square().sum().to(total.device)
+        self.comms.all_reduce_(total, "the gradient norm")
+        return total.sqrt()
+
+    # ------------------------------------------------------------------------------------------- outside a step
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        with self.gatherer.gathered() if self.gatherer is not None else nullcontext():
+        with self.parameters.gathered():
             yield
 
-    def grad_buffers(self) -> list[Tensor]:
-        return self.reducer.grad_buffers()
-
-    def remove_hooks(self) -> None:
-        self.reducer.remove()
-        if self.gatherer is not None:
-            self.gatherer.remove()
+    def held_tensors(self) -> dict[str, list[Tensor]]:
+        """What the module's parameters and the optimizers' state do not show, for ``memory.model_state_bytes``:
+        standalone local shards (stage 3), fp32 masters (optimizer state, as the ZeRO paper counts them) and
+        gradient shard storage."""
+        masters = [s.local for s in self.shards if s.local.dtype != s.param.dtype]
+        locals_ = [s.local for s in self.shards if s.local.dtype == s.param.dtype]
+        return {"extra_params": locals_, "extra_grads": self.gradients.grad_buffers(), "extra_optimizer": masters}
 
     def refresh_full_parameters(self) -> None:
-        """After the shards were loaded: stages 1 and 2 rebuild the full parameters from them (stage 3 gathers on
-        use)."""
-        if self.gatherer is None:
-            buckets = group_into_buckets(self.shards, self.config.bucket_bytes)
-            gather_into_full([(b, FlatLayout([s.spec for s in b])) for b in buckets], self.comms)
+        """After the shards were loaded: stages 1 and 2 rebuild the full parameters (stage 3 gathers on use)."""
+        if isinstance(self.parameters, ReplicatedParams):
+            self.parameters.gather(self.shards)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
@@ -139,63 +224,72 @@ class ZeroRuntime:
                 raise RuntimeError(
                     f"{shard.name}: the state_dict has shape {tuple(value.shape)}, the model {tuple(shard.spec.shape)}"
                 )
-            shard.local.copy_(shard.spec.local_view(value.contiguous()))
+            shard.local.copy_(shard.spec.local_view(value))
         for name, buffer in buffers.items():
             if name in state_dict and torch.is_tensor(buffer):
                 buffer.copy_(state_dict[name])
         self.refresh_full_parameters()
 
-    @property
-    def shards_are_views(self) -> bool:
-        """fp32 stages 1 and 2: each local shard is a view of its full parameter's rows."""
-        return self.gatherer is None and self.working_dtype is None
-
     @torch.no_grad()
     def release(self, device: torch.device) -> None:
-        """End of fit: the module gets its full parameters back on ``device`` in the optimizer's precision (the fp32
-        masters under mixed precision), bucket by bucket, so the accelerator never holds more than two buckets in
-        full; the optimizer keeps its shards, moved to ``device`` as well."""
-        if self.gatherer is not None:
-            for unit in [self.gatherer.root] + self.gatherer.units:
-                unit.detach()
-        if self.shards_are_views:
-            return  # already full; Lightning moves the module, then ``rebind_views``
-        for bucket in group_into_buckets(self.shards, self.config.bucket_bytes):
-            for shard in bucket:
-                shard.full.data = torch.empty(shard.spec.shape, dtype=shard.local.dtype, device=shard.local.device)
-            gather_into_full([(bucket, FlatLayout([s.spec for s in bucket]))], self.comms)
-            for shard in bucket:
-                shard.full.data = shard.full.data.to(device)
-        for shard in self.shards:
-            shard.local.data = shard.local.data.to(device)
-
-    def rebind_views(self) -> None:
-        """fp32 stages 1 and 2, after the module moved: point each shard at its parameter's rows again."""
-        if self.shards_are_views:
-            for shard in self.shards:
-                shard.local.data = shard.spec.local_view(shard.full.detach())
+        """End of fit: remove the hooks and give the module its full parameters on ``device``, in the optimizer's
+        precision (the fp32 masters under mixed precision), gathered bucket by bucket; the optimizers keep their
+        shard-sized state. A later setup shards the module again from these values."""
+        self.gradients.remove()
+        self.parameters.remove()
+        self.released = True
+        replaced = [s for s in self.shards if s.local.dtype != s.param.dtype or s.is_sharded]
+        for shard in replaced:
+            shard.param.data = torch.empty(0, dtype=shard.local.dtype, device=shard.local.device)
+        for bucket in make_buckets(replaced, self.config.comm.bucket_bytes):
+            for shard in bucket.shards:
+                shard.param.data = torch.empty(shard.spec.shape, dtype=shard.local.dtype, device=shard.local.device)
+            bucket.unpack(self.comms.all_gather(bucket).wait(), [s.param for s in bucket.shards])
+            for shard in bucket.shards:
+                shard.param.data = shard.param.data.to(device)
 
 
-@torch.no_grad()
-def _cast_full_parameters(shards: list[ParamShard], dtype: torch.dtype) -> None:
-    """16-bit working parameters; their fp32 values live on in the masters (the local shards)."""
-    for shard in shards:
-        shard.full.data = shard.full.data.to(dtype)
-        if shard.local.dtype != torch.float32:
-            shard.local.data = shard.local.data.float()
+def _refuse_complex(module: nn.Module) -> None:
+    for name, param in module.named_parameters():
+        if param.is_complex():
+            raise ValueError(
+                f"parameter {name!r} is complex ({param.dtype}); ZeroStrategy shards real-valued parameters only: "
+                "keep it as torch.view_as_real (a real tensor with a last dimension of 2)"
+            )
 
 
-def _detach_local_rows(
-    module: nn.Module, comms: Collectives, given: dict[nn.Parameter, tuple[torch.Size, Tensor]]
-) -> dict[nn.Parameter, tuple[torch.Size, Tensor]]:
-    """Full shape and a copy of the owned rows of every parameter, whose full tensor is then freed (stage 3)."""
-    detached = dict(given)
-    for param in module.parameters():
-        if param not in detached:
-            spec = ShardSpec(param.shape, comms.rank, comms.world_size)
-            detached[param] = (param.shape, spec.local_view(param.detach()).clone())
-            free_full_parameter(param)
-    return detached
+def _working_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """The parameters mixed precision makes 16-bit: fp32 ones outside BatchNorm layers."""
+    batch_norm = {p for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in m.parameters()}
+    return {p for p in module.parameters() if p.dtype == torch.float32 and p not in batch_norm}
+
+
+def _replicated_shards(module: nn.Module, comms: Collectives, cast: set[nn.Parameter]) -> list[ParamShard]:
+    """Stages 1 and 2: local rows as views of the full parameters, or fp32 master copies of those cast to 16 bits."""
+    shards = []
+    for name, param in module.named_parameters():
+        master = torch.float32 if param in cast else None
+        shards += shard_parameters([(name, param)], comms.rank, comms.world_size, master)
+    return shards
+
+
+def _stage3_shards(
+    module: nn.Module, comms: Collectives, cast: set[nn.Parameter], materialized: Materialized
+) -> list[ParamShard]:
+    """Stage 3: standalone local rows (fp32 masters of those cast to 16 bits), the full parameters freed."""
+    shards = []
+    for name, param in module.named_parameters():
+        if param in materialized:
+            shape, rows = materialized[param]
+        else:
+            shape = param.shape
+            rows = ShardSpec(shape, comms.rank, comms.world_size).local_view(param.detach()).clone()
+        shard = ParamShard(name, param, ShardSpec(shape, comms.rank, comms.world_size), rows)
+        if param in cast:
+            shard.local = rows.float()
+        shard.to_sharded()
+        shards.append(shard)
+    return shards
 
 
 def sync_module_states(module: nn.Module, comms: Collectives) -> None:
@@ -204,7 +298,7 @@ def sync_module_states(module: nn.Module, comms: Collectives) -> None:
     Parameters already sharded by large-model init are empty and skipped: every rank drew the same values.
     """
     tensors = [p.detach() for p in module.parameters()] + list(module.buffers())
-    comms.broadcast_([t for t in tensors if t.numel() > 0])
+    comms.broadcast_([t for t in tensors if t.numel() > 0], "the module's parameters and buffers (sync_module_states)")
 
 
 def _floating_buffers(module: nn.Module) -> list[Tensor]:

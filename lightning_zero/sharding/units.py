@@ -19,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 
@@ -40,6 +41,7 @@ def plan_units(root: nn.Module, units: tuple[str, ...], unit_bytes: int) -> tupl
     assigned: set[nn.Parameter] = set(shared)
     plans: list[UnitPlan] = []
     visited: set[nn.Module] = set()
+    matched: set[str] = set()
 
     def visit(module: nn.Module, name: str, listed: bool) -> list[nn.Parameter]:
         visited.add(module)
@@ -52,13 +54,14 @@ def plan_units(root: nn.Module, units: tuple[str, ...], unit_bytes: int) -> tupl
         pending = list(dict.fromkeys(pending))
         if module is root or not pending:
             return pending
-        if _matches(module, name, units) if units else (listed or _nbytes(pending) >= unit_bytes):
+        if _matches(module, name, units, matched) if units else (listed or _nbytes(pending) >= unit_bytes):
             plans.append(UnitPlan(name, module, pending))
             assigned.update(pending)
             return []
         return pending
 
     leftover = visit(root, "", False)
+    _check_all_matched(root, units, matched)
     order = {m: i for i, m in enumerate(root.modules())}
     plans.sort(key=lambda plan: order[plan.module])
     root_params = list(dict.fromkeys(leftover + [p for p in root.parameters() if p in shared]))
@@ -74,10 +77,30 @@ def _shared_parameters(root: nn.Module) -> set[nn.Parameter]:
     return {p for p, count in owners.items() if count > 1}
 
 
-def _matches(module: nn.Module, name: str, patterns: tuple[str, ...]) -> bool:
+def _matches(module: nn.Module, name: str, patterns: tuple[str, ...], matched: set[str]) -> bool:
     cls = type(module)
     candidates = (cls.__name__, f"{cls.__module__}.{cls.__qualname__}", name)
-    return any(fnmatch.fnmatchcase(c, p) for p in patterns for c in candidates)
+    hits = {p for p in patterns for c in candidates if fnmatch.fnmatchcase(c, p)}
+    matched |= hits
+    return bool(hits)
+
+
+def _check_all_matched(root: nn.Module, units: tuple[str, ...], matched: set[str]) -> None:
+    """An entry of ``units`` that names no module is a typo to report, not a silent whole-model unit."""
+    for name, module in root.named_modules():  # entries matching only modules without own parameters
+        if name:
+            _matches(module, name, units, matched)
+    unmatched = [u for u in units if u not in matched]
+    if not unmatched:
+        return
+    classes = sorted({type(m).__name__ for m in root.modules() if any(True for _ in m.parameters(recurse=False))})
+    message = (
+        f"units={list(units)}: {unmatched} match no module of {type(root).__name__} (classes with parameters here: "
+        f"{', '.join(classes[:12])}); give class names, qualified class names or module paths"
+    )
+    if len(unmatched) == len(units):  # the whole model would silently become one unit, gathered at once
+        raise ValueError(message)
+    rank_zero_warn(message)
 
 
 def _nbytes(params: list[nn.Parameter]) -> int:

@@ -55,9 +55,9 @@ class Measure(pl.Callback):
         self.comm: list[dict[str, int]] = []
 
     def on_train_start(self, trainer, pl_module):
-        if isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.runtime.gatherer is not None:
+        if isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.stage == 3:
             # Registered after the strategy's own pre-forward hooks: runs with the unit gathered and prefetches issued.
-            for unit in trainer.strategy.runtime.gatherer.units:
+            for unit in trainer.strategy.runtime.parameters.units:
                 unit.module.register_forward_pre_hook(lambda *_: self._sample(trainer))
 
     def _sample(self, trainer) -> None:

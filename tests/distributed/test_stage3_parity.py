@@ -71,7 +71,7 @@ def _run_all(rank: int, world_size: int) -> dict:
     reference = make_trainer(DDPStrategy(), world_size)
     evaluation["ddp_validate"] = reference.validate(model, verbose=False)[0]["val_loss"]
     evaluation["ddp_predict"] = torch.cat(reference.predict(model))
-    evaluation["unit_count"] = len(trainer.strategy.runtime.gatherer.units) if trainer.strategy.runtime else None
+    evaluation["unit_count"] = len(trainer.strategy.runtime.parameters.units)
     out["evaluation"] = evaluation
     return out
 

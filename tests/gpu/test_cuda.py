@@ -64,7 +64,7 @@ def test_mixed_precision_tracks_single_device_training(stage: int, precision: st
     plugin = trainer.strategy.precision_plugin
     assert plugin.precision == precision and (plugin.scaler is not None) == (precision == "16-mixed")
     if plugin.scaler is not None:
-        assert plugin.scaler.skipped_steps == 0 and plugin.scaler.scale == 2.0**8
+        assert plugin.scaler.skipped_steps == 0 and plugin.scaler.get_scale() == 2.0**8
 
 
 def test_meta_init_on_the_gpu_equals_the_eager_build() -> None:

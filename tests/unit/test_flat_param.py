@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_zero.sharding.flat_param import FlatLayout, ShardSpec, group_into_buckets, shard_parameters
+from lightning_zero.sharding.flat_param import Bucket, ShardSpec, make_buckets, shard_parameters
+
+
+def _bucket(tensors, rank: int, world: int) -> Bucket:
+    """A bucket over parameters of the tensors' shapes, as rank ``rank`` of ``world`` sees it."""
+    params = [(f"p{i}", torch.nn.Parameter(t.clone())) for i, t in enumerate(tensors)]
+    return Bucket(shard_parameters(params, rank, world))
+
+
+def _specs(bucket: Bucket) -> list[ShardSpec]:
+    return [s.spec for s in bucket.shards]
 
 
 @pytest.mark.parametrize("rows,world", [(8, 2), (8, 4), (11, 4), (7, 2), (3, 4), (1, 4), (5, 8)])
@@ -44,7 +54,7 @@ def test_local_view_shares_storage_with_the_full_tensor() -> None:
 def test_pack_is_rank_major_with_zero_padding() -> None:
     a = torch.arange(1.0, 6.0)  # 5 rows over 2 ranks: 3 + 2, one padded row
     b = torch.arange(10.0, 14.0).view(2, 2)  # 2 rows: 1 + 1
-    layout = FlatLayout([ShardSpec(a.shape, 0, 2), ShardSpec(b.shape, 0, 2)])
+    layout = _bucket([a, b], 0, 2)
     assert layout.segment_numel == 3 + 2 and layout.full_numel == 10
     out = torch.full((10,), float("nan"))
     layout.pack([a, b], out)
@@ -55,7 +65,7 @@ def test_pack_none_is_zeros_and_unpack_inverts_pack() -> None:
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(s, generator=g) for s in [(7, 3), (2,), (), (4, 4), (1, 5)]]
     for world in (1, 2, 3, 4, 8):
-        layout = FlatLayout([ShardSpec(t.shape, 0, world) for t in tensors])
+        layout = _bucket(tensors, 0, world)
         buffer = torch.empty(layout.full_numel)
         layout.pack(tensors, buffer)
         restored = [torch.zeros_like(t) for t in tensors]
@@ -63,7 +73,7 @@ def test_pack_none_is_zeros_and_unpack_inverts_pack() -> None:
         for t, r in zip(tensors, restored):
             assert torch.equal(t, r)
         assert buffer.sum() == pytest.approx(sum(t.sum() for t in tensors).item(), rel=1e-5)
-    layout = FlatLayout([ShardSpec(torch.Size((3,)), 0, 2)])
+    layout = _bucket([torch.ones(3)], 0, 2)
     buffer = torch.ones(4)
     layout.pack([None], buffer)
     assert buffer.tolist() == [0, 0, 0, 0]
@@ -72,22 +82,22 @@ def test_pack_none_is_zeros_and_unpack_inverts_pack() -> None:
 def test_each_rank_segment_holds_its_own_rows() -> None:
     tensors = [torch.arange(30.0).view(10, 3), torch.arange(7.0)]
     for rank in range(4):
-        layout = FlatLayout([ShardSpec(t.shape, rank, 4) for t in tensors])
+        layout = _bucket(tensors, rank, 4)
         buffer = torch.empty(layout.full_numel)
         layout.pack(tensors, buffer)
         segment = buffer.view(4, -1)[rank]
-        for spec, local in zip(layout.specs, layout.local_views(segment)):
-            full = tensors[layout.specs.index(spec)]
+        for spec, local in zip(_specs(layout), layout.local_views(segment)):
+            full = tensors[_specs(layout).index(spec)]
             assert torch.equal(local, spec.local_view(full))
 
 
 def test_pack_local_then_unpack_rebuilds_from_every_rank() -> None:
     tensors = [torch.randn(9, 2), torch.randn(3)]
     world = 4
-    buffer = torch.empty(FlatLayout([ShardSpec(t.shape, 0, world) for t in tensors]).full_numel)
+    buffer = torch.empty(_bucket(tensors, 0, world).full_numel)
     for rank in range(world):
-        layout = FlatLayout([ShardSpec(t.shape, rank, world) for t in tensors])
-        layout.pack_local([s.local_view(t) for s, t in zip(layout.specs, tensors)], buffer.view(world, -1)[rank])
+        layout = _bucket(tensors, rank, world)
+        layout.pack_local([s.local_view(t) for s, t in zip(_specs(layout), tensors)], buffer.view(world, -1)[rank])
     rebuilt = [torch.zeros_like(t) for t in tensors]
     layout.unpack(buffer, rebuilt)
     assert all(torch.equal(a, b) for a, b in zip(tensors, rebuilt))
@@ -97,10 +107,10 @@ def test_buckets_respect_the_cap_and_dtype() -> None:
     module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
     module[2].double()
     shards = shard_parameters(module.named_parameters(), 0, 2)
-    buckets = group_into_buckets(shards, bucket_bytes=64 * 64 * 4 + 64 * 4)
-    sizes = [[s.name for s in b] for b in buckets]
+    buckets = make_buckets(shards, bucket_bytes=64 * 64 * 4 + 64 * 4)
+    sizes = [[s.name for s in b.shards] for b in buckets]
     assert sizes == [["0.weight", "0.bias"], ["1.weight", "1.bias"], ["2.weight", "2.bias"]]
-    huge = group_into_buckets(shards, bucket_bytes=1)
+    huge = make_buckets(shards, bucket_bytes=1)
     assert len(huge) == len(shards)  # a parameter over the cap gets a bucket of its own
 
 
@@ -108,6 +118,6 @@ def test_shards_of_frozen_parameters_are_frozen_views() -> None:
     module = torch.nn.Linear(6, 4)
     module.bias.requires_grad_(False)
     weight, bias = shard_parameters(module.named_parameters(), 1, 2)
-    assert weight.trainable and weight.local.requires_grad and weight.local.shape == (2, 6)
-    assert not bias.trainable and not bias.local.requires_grad
+    assert weight.trainable and weight.local.shape == (2, 6)
+    assert not bias.trainable
     assert weight.local.data_ptr() == module.weight[2:].data_ptr()
