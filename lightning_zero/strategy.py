@@ -279,7 +279,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards as DTensors, keyed by parameter name: no communication (see ``checkpoint.py``)."""
-        return ckpt.model_tensors(self.runtime.module, self.runtime.shards, self._mesh())
+        return ckpt.model_tensors(self.runtime.module, self.runtime.shards, self._mesh(), self.runtime.comms.rank)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

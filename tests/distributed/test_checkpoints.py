@@ -223,6 +223,35 @@ def test_wrong_model_or_damaged_files_fail_clearly_before_changing_anything(tmp_
     assert f"checkpoint shard file {shard} is missing" in message
 
 
+def _load_corrupt(rank, world_size, path):
+    """Train 2 steps, then load a checkpoint whose shard file is corrupt: the error must leave the live shards and the
+    optimizer state exactly as they were."""
+    trainer, _ = _fit(zero(2), world_size, 2)
+    before_params = flat_params(trainer.lightning_module)
+    before_state = {k: v.clone() for k, v in trainer.optimizers[0].state_dict()["state"][0].items()}
+    try:
+        trainer.strategy.load_checkpoint(path)
+    except CheckpointError as err:
+        message = str(err)
+    else:
+        raise AssertionError("loading did not fail")
+    trainer.strategy.teardown()  # gathers the full parameters from the shards
+    after_state = trainer.optimizers[0].state_dict()["state"][0]
+    return message, torch.equal(flat_params(trainer.lightning_module), before_params), all(
+        torch.equal(after_state[k].cpu(), v.cpu()) for k, v in before_state.items()
+    )
+
+
+def test_a_corrupt_full_length_shard_fails_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    run_on_ranks(lambda r, w: _save(r, w, 2, path), 2)
+    shard = sorted(path.glob("*.distcp"))[0]
+    shard.write_bytes(bytes(len(shard.read_bytes())))  # same length, every byte zero: passes the size checks
+    for message, params_unchanged, state_unchanged in run_on_ranks(lambda r, w: _load_corrupt(r, w, path), 2):
+        assert f"reading {path} failed on rank(s)" in message and "nothing was changed" in message
+        assert params_unchanged and state_unchanged
+
+
 def test_consolidate_command(tmp_path: Path, capsys) -> None:
     path = tmp_path / "run.ckpt"
     run_on_ranks(lambda r, w: _save(r, w, 3, path), 2)

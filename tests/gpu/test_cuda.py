@@ -1,5 +1,10 @@
 """One CUDA device: ZeRO's CUDA paths (device placement, meta-device init on the GPU, fp16 with real loss scaling,
-sharded checkpoints of CUDA tensors) against Lightning's single-device training. Skipped without a GPU."""
+sharded checkpoints of CUDA tensors) against Lightning's single-device training. Skipped without a GPU.
+
+Every test runs twice: with the world-size-1 short cut, and with the collectives really issued
+(``shortcut_single_rank=False``), so that one GPU executes every NCCL call the library makes (reduce-scatters,
+all-gathers, all-reduces of norms and flags, broadcasts, the checkpoint's collectives). Two NCCL ranks cannot share
+one GPU, so world size 1 with real collectives is how a single GPU proves the NCCL paths."""
 
 from __future__ import annotations
 
@@ -31,18 +36,38 @@ def _fit(strategy, precision=None, steps=8, model_cls=StepSeededLM, ckpt_path=No
     return trainer, recorder
 
 
-def _zero(stage: int, **kwargs) -> ZeroStrategy:
-    return ZeroStrategy(stage, units=("Block",), **kwargs) if stage == 3 else ZeroStrategy(stage, **kwargs)
+@pytest.fixture(params=["shortcut", "nccl"])
+def collectives(request) -> str:
+    return request.param
+
+
+def _zero(stage: int, collectives: str = "shortcut", **kwargs) -> ZeroStrategy:
+    kwargs["shortcut_single_rank"] = collectives == "shortcut"
+    if stage == 3:
+        kwargs.setdefault("units", ("Block",))
+    return ZeroStrategy(stage=stage, **kwargs)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fp32_equals_single_device_training(stage: int) -> None:
+def test_fp32_equals_single_device_training(stage: int, collectives: str) -> None:
     _, want = _fit("auto")
-    _, got = _fit(_zero(stage))
+    trainer, got = _fit(_zero(stage, collectives))
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
     for a, b in zip(got.params, want.params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert got.params[-1].device.type == "cuda"
+    assert (trainer.strategy.comm_stats.total_calls > 0) == (collectives == "nccl")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_find_unused_parameters_on_nccl(stage: int, collectives: str) -> None:
+    from tests.models import ParityModel
+
+    _, want = _fit(ZeroStrategy(stage=2, find_unused_parameters=True), model_cls=lambda: ParityModel(with_unused=True))
+    _, got = _fit(_zero(stage, collectives, find_unused_parameters=True, units=()),
+                  model_cls=lambda: ParityModel(with_unused=True))
+    for a, b in zip(got.params, want.params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _fp16() -> MixedPrecision:
@@ -53,13 +78,13 @@ def _fp16() -> MixedPrecision:
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_mixed_precision_tracks_single_device_training(stage: int, precision: str) -> None:
+def test_mixed_precision_tracks_single_device_training(stage: int, precision: str, collectives: str) -> None:
     if precision == "16-mixed":
         _, want = _fit(SingleDeviceStrategy("cuda:0", precision_plugin=_fp16()), steps=20)
-        trainer, got = _fit(_zero(stage, precision_plugin=_fp16()), steps=20)
+        trainer, got = _fit(_zero(stage, collectives, precision_plugin=_fp16()), steps=20)
     else:
         _, want = _fit("auto", precision=precision, steps=20)
-        trainer, got = _fit(_zero(stage), precision=precision, steps=20)
+        trainer, got = _fit(_zero(stage, collectives), precision=precision, steps=20)
     assert max(abs(a - b) / abs(b) for a, b in zip(got.losses, want.losses)) < 3e-3
     plugin = trainer.strategy.precision_plugin
     assert plugin.precision == precision and (plugin.scaler is not None) == (precision == "16-mixed")
@@ -67,19 +92,20 @@ def test_mixed_precision_tracks_single_device_training(stage: int, precision: st
         assert plugin.scaler.skipped_steps == 0 and plugin.scaler.get_scale() == 2.0**8
 
 
-def test_meta_init_on_the_gpu_equals_the_eager_build() -> None:
+def test_meta_init_on_the_gpu_equals_the_eager_build(collectives: str) -> None:
     # steps=0: built in configure_model and set up, never trained; after fit both modules hold their weights on the
-    # CPU. The single-device run builds eagerly on the GPU, drawing from the CUDA generator, as materialization does.
+    # CPU. The single-device run builds eagerly on the GPU, drawing from the CUDA generator, as materialization does
+    # (with the collectives issued, the generator state is broadcast over NCCL: a CUDA tensor).
     eager, _ = _fit("auto", steps=0)
-    sharded, _ = _fit(_zero(3), steps=0)
+    sharded, _ = _fit(_zero(3, collectives), steps=0)
     torch.testing.assert_close(flat_params(sharded.lightning_module), flat_params(eager.lightning_module), rtol=0, atol=0)
 
 
-def test_sharded_checkpoint_of_cuda_tensors_resumes_exactly(tmp_path: Path) -> None:
-    _, whole = _fit(_zero(3), precision="bf16-mixed", steps=6)
-    first, _ = _fit(_zero(3), precision="bf16-mixed", steps=3)
+def test_sharded_checkpoint_of_cuda_tensors_resumes_exactly(tmp_path: Path, collectives: str) -> None:
+    _, whole = _fit(_zero(3, collectives), precision="bf16-mixed", steps=6)
+    first, _ = _fit(_zero(3, collectives), precision="bf16-mixed", steps=3)
     first.save_checkpoint(tmp_path / "run.ckpt")
-    _, resumed = _fit(_zero(2), precision="bf16-mixed", steps=6, ckpt_path=tmp_path / "run.ckpt")
+    _, resumed = _fit(_zero(2, collectives), precision="bf16-mixed", steps=6, ckpt_path=tmp_path / "run.ckpt")
     np.testing.assert_allclose(resumed.losses, whole.losses[3:], rtol=1e-3)
     keys = consolidate(tmp_path / "run.ckpt", tmp_path / "w.safetensors")
     assert "lm.head.weight" in keys

@@ -1,0 +1,224 @@
+"""Saving and loading a sharded checkpoint from the live shards: every rank writes and reads only its own rows
+(see [Note: checkpoint layout] in layout.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_zero.checkpoint.layout import (
+    FORMAT_KEY,
+    META_FILE,
+    CheckpointError,
+    check_compatible,
+    check_files,
+    read_meta,
+    shard_dtensor,
+    state_dict_keys,
+    to_shape,
+)
+from lightning_zero.sharding.flat_param import ParamShard
+from lightning_zero.sharding.optimizer import ShardedOptimizer, is_per_element
+
+
+def model_tensors(module: nn.Module, shards: list[ParamShard], mesh: DeviceMesh, rank: int) -> dict[str, Tensor]:
+    """Parameter name -> this rank's shard as a ``Shard(0)`` DTensor (the fp32 master under mixed precision), plus,
+    on rank 0 only, the persistent buffers (as DDP's checkpoints hold rank 0's)."""
+    tensors: dict[str, Tensor] = {s.name: shard_dtensor(s.local.detach(), s.spec, mesh) for s in shards}
+    if rank == 0:
+        tensors.update(persistent_buffers(module))
+    return tensors
+
+
+def _model_destinations(module: nn.Module, shards: list[ParamShard], mesh: DeviceMesh) -> dict[str, Tensor]:
+    """Fresh tensors shaped like ``model_tensors`` (every rank reads the buffers) for a load to fill."""
+    tensors: dict[str, Tensor] = {s.name: shard_dtensor(torch.zeros_like(s.local), s.spec, mesh) for s in shards}
+    tensors.update({k: torch.zeros_like(v) for k, v in persistent_buffers(module).items()})
+    return tensors
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, Tensor]:
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if k not in params and torch.is_tensor(v)}
+
+
+def optimizer_tensors(sharded: ShardedOptimizer, mesh: DeviceMesh) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, per-element entries as shard DTensors; and its groups."""
+    state_dict = sharded.optimizer.state_dict()
+    shards = sharded.shards
+    state: dict[str, dict[str, Any]] = {}
+    for index, entry in state_dict["state"].items():
+        shard = shards[index]
+        state[shard.name] = {
+            key: shard_dtensor(value, shard.spec, mesh) if is_per_element(key, value, shard.spec.local_shape, shard)
+            else value
+            for key, value in entry.items()
+        }
+    groups = [dict(g, params=[shards[i].name for i in g["params"]]) for g in state_dict["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def optimizer_destinations(
+    sharded: ShardedOptimizer, stored: dict[str, TensorStorageMetadata], prefix: str, mesh: DeviceMesh
+) -> dict[str, dict[str, Tensor]]:
+    """Empty tensors, shaped for this rank, for every optimizer state entry the checkpoint holds under ``prefix``."""
+    destinations: dict[str, dict[str, Tensor]] = {}
+    for shard in sharded.shards:
+        head = f"{prefix}{shard.name}."
+        for key, meta in stored.items():
+            if not key.startswith(head) or "." in key[len(head) :]:
+                continue
+            entry = destinations.setdefault(shard.name, {})
+            size = torch.Size(meta.size)
+            if size == to_shape(shard.spec.shape) and len(size) > 0:
+                local = torch.zeros(shard.spec.local_shape, dtype=meta.properties.dtype, device=shard.local.device)
+                entry[key[len(head) :]] = shard_dtensor(local, shard.spec, mesh)
+            else:
+                entry[key[len(head) :]] = torch.zeros(size, dtype=meta.properties.dtype)
+    return destinations
+
+
+def _check_optimizer(sharded: ShardedOptimizer, groups: list[dict]) -> None:
+    """The checkpoint's optimizer steps the same parameters as the live one (by name)."""
+    names = sorted(n for g in groups for n in g["params"])
+    live = sorted(s.name for s in sharded.shards)
+    if names != live:
+        raise CheckpointError(
+            f"the checkpoint's {type(sharded.optimizer).__name__} steps {sorted(set(names) ^ set(live))} "
+            "differently from this one"
+        )
+
+
+def _load_optimizer(sharded: ShardedOptimizer, loaded: dict[str, dict[str, Tensor]], groups: list[dict]) -> None:
+    """Hand state loaded by name to the live optimizer (which keys its state by position)."""
+    shards = sharded.shards
+    position = {shard.name: i for i, shard in enumerate(shards)}
+    state = {}
+    for name, entry in loaded.items():
+        state[position[name]] = {
+            key: (value.to_local().view(shards[position[name]].spec.local_shape) if isinstance(value, DTensor)
+                  else value)
+            for key, value in entry.items()
+        }
+    sharded.load_state_dict(
+        {"state": state, "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in groups]}
+    )
+
+
+def save_sharded(
+    path: str | os.PathLike,
+    checkpoint: dict[str, Any],
+    module: nn.Module,
+    shards: list[ParamShard],
+    facts: dict[str, Any],
+    comms,
+) -> None:
+    """Save Lightning's ``checkpoint`` whose ``state_dict`` and ``optimizer_states`` hold this rank's shards (as
+    ``model_tensors`` and ``optimizer_tensors`` make them): the tensors through DCP, the rest in ``lightning.pt``."""
+    tensors = {"model": checkpoint.pop("state_dict")}
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    if optimizer_states is not None:
+        tensors["optim"] = {str(i): state["state"] for i, state in enumerate(optimizer_states)}
+    keys, aliases = state_dict_keys(module)
+    shapes = {s.name: tuple(s.spec.shape) for s in shards}
+    checkpoint[FORMAT_KEY] = dict(
+        facts,
+        version=1,
+        shapes=shapes,
+        aliases=aliases,
+        state_dict_keys=keys,
+        optimizer_param_groups=None if optimizer_states is None else [s["param_groups"] for s in optimizer_states],
+    )
+    save(path, tensors, checkpoint, comms)
+
+
+def save(path: str | os.PathLike, tensors: dict[str, Any], meta: dict[str, Any], comms) -> None:
+    """Write ``tensors`` (DCP) and ``meta`` (rank 0) atomically to the directory ``path``. All ranks call this."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    if comms.rank == 0:
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    comms.barrier()
+    dcp.save(tensors, checkpoint_id=partial, process_group=comms.group)
+    if comms.rank == 0:
+        torch.save(meta, partial / META_FILE)
+    comms.barrier()
+    if comms.rank == 0:
+        old = path.with_name(path.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.exists():
+            path.rename(old)
+        partial.rename(path)
+        if old.exists():
+            shutil.rmtree(old)
+    comms.barrier()
+
+
+def load_sharded(
+    path: str | os.PathLike,
+    module: nn.Module,
+    shards: list[ParamShard],
+    optimizers: list[ShardedOptimizer],
+    mesh: DeviceMesh,
+    comms,
+) -> dict[str, Any]:
+    """Read a checkpoint directory into ``shards``, the module's buffers and ``optimizers`` (none: weights only).
+
+    Atomic (see [Note: checkpoint layout]): every file and every name and shape is checked, everything is read into
+    fresh tensors, and only then are the live ones overwritten; a read that fails on any rank fails on every rank
+    (DCP gathers the errors), with nothing changed. Returns Lightning's part of the checkpoint, for Lightning to
+    restore its own state from.
+    """
+    path, meta = read_meta(path)
+    info = meta.pop(FORMAT_KEY)
+    stored = check_files(path)
+    model = _model_destinations(module, shards, mesh)
+    check_compatible({k: v.shape for k, v in model.items()}, stored, "model.")
+    tensors: dict[str, Any] = {"model": model}
+    groups = info["optimizer_param_groups"]
+    if groups is not None and optimizers:
+        if len(groups) != len(optimizers):
+            raise CheckpointError(
+                f"the checkpoint has {len(groups)} optimizer(s), configure_optimizers returned {len(optimizers)}"
+            )
+        for optimizer, optimizer_groups in zip(optimizers, groups):
+            _check_optimizer(optimizer, optimizer_groups)
+        tensors["optim"] = {
+            str(i): optimizer_destinations(o, stored, f"optim.{i}.", mesh) for i, o in enumerate(optimizers)
+        }
+    try:
+        dcp.load(tensors, checkpoint_id=path, process_group=comms.group if comms.distributed else None,
+                 no_dist=not comms.distributed)
+    except CheckpointException as err:
+        rank, failure = next(iter(sorted(err.failures.items())))
+        raise CheckpointError(
+            f"reading {path} failed on rank(s) {sorted(err.failures)} (rank {rank}: {type(failure).__name__}: "
+            f"{str(failure).splitlines()[0] if str(failure) else ''}); nothing was changed"
+        ) from err
+    with torch.no_grad():
+        for shard in shards:
+            shard.local.copy_(model[shard.name].to_local().view(shard.local.shape))
+        for name, buffer in persistent_buffers(module).items():
+            buffer.copy_(model[name])
+    if "optim" in tensors:
+        for i, optimizer in enumerate(optimizers):
+            _load_optimizer(optimizer, tensors["optim"][str(i)], groups[i])
+    if groups is not None:
+        meta["optimizer_states"] = []  # restored above; present so that Lightning does not report it missing
+    meta["state_dict"] = {}
+    return meta

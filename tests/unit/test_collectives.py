@@ -1,0 +1,46 @@
+"""collectives.py refuses tensors that are not on the process group's device, naming the caller's tensor: NCCL would
+refuse a CPU tensor with "No backend type associated with device type cpu", deep inside the first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zero.sharding.collectives import CollectiveDeviceError, Collectives
+from lightning_zero.sharding.flat_param import Bucket, shard_parameters
+
+
+def _cuda_group() -> Collectives:
+    # No process group: a local group whose device is a CUDA device, as an NCCL group's would be.
+    return Collectives(device=torch.device("cuda", 0))
+
+
+def test_a_cpu_tensor_is_refused_naming_what_it_is() -> None:
+    comms = _cuda_group()
+    with pytest.raises(CollectiveDeviceError) as err:
+        comms.all_reduce_(torch.zeros(1), "the gradient norm")
+    assert str(err.value) == (
+        "the gradient norm is on cpu, but this process group's collectives (local) work on cuda:0: move it to cuda:0 "
+        "before handing it to a collective"
+    )
+    with pytest.raises(CollectiveDeviceError, match="the module's buffers is on cpu"):
+        comms.broadcast_([torch.zeros(2)], "the module's buffers")
+
+
+def test_a_bucket_on_the_wrong_device_is_refused_naming_its_first_parameter() -> None:
+    comms = _cuda_group()
+    bucket = Bucket(shard_parameters([("encoder.weight", torch.nn.Parameter(torch.zeros(4, 2)))], 0, 1))
+    with pytest.raises(CollectiveDeviceError, match="the gradients of encoder.weight is on cpu"):
+        comms.reduce_scatter(bucket, [torch.zeros(4, 2)])
+    with pytest.raises(CollectiveDeviceError, match="the shard of encoder.weight is on cpu"):
+        comms.all_gather(bucket)
+
+
+def test_tensors_on_the_group_device_pass() -> None:
+    comms = Collectives(device=torch.device("cpu"))
+    flag = torch.ones(1)
+    comms.all_reduce_(flag, "a flag")  # no process group: a local no-op
+    assert flag.item() == 1.0
+    bucket = Bucket(shard_parameters([("w", torch.nn.Parameter(torch.arange(6.0).view(3, 2)))], 0, 1))
+    (reduced,) = comms.reduce_scatter(bucket, [torch.full((3, 2), 2.0)]).wait()
+    assert reduced.tolist() == [[2.0, 2.0]] * 3
