@@ -45,9 +45,8 @@ def model_state_bytes(
     grads = [p.grad for p in module.parameters() if p.grad is not None] + list(extra_grads)
     states = list(extra_optimizer) + [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     seen: set[tuple[torch.device, int]] = set()
-    return ModelStateBytes(
-        params=_storage_bytes(params, seen), grads=_storage_bytes(grads, seen), optimizer=_storage_bytes(states, seen)
-    )
+    optimizer = _storage_bytes(states, seen)  # first: a stage-3 parameter between uses holds its fp32 master
+    return ModelStateBytes(params=_storage_bytes(params, seen), grads=_storage_bytes(grads, seen), optimizer=optimizer)
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[torch.device, int]]) -> int:

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_zero import checkpoint as ckpt
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, option_defaults
+from lightning_zero.lightning_compat import apply_activation_checkpointing, install_summary, refuse_unsupported
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
 from lightning_zero.sharding.collectives import Collectives, CommStats
@@ -93,6 +94,7 @@ class ZeroStrategy(DDPStrategy):
         self._init_rng_state: Tensor | None = None
         self._device_mesh = None
         self._loaded_sharded = False
+        self._failed = False
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -139,10 +141,14 @@ class ZeroStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        refuse_unsupported(trainer, self.model, self.config)
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
+            if self.root_device.type == "cpu":
+                raise ValueError("SyncBatchNorm layers only work with GPU modules")  # as DistributedDataParallel
             self.model = self._layer_sync.apply(self.model)
+        apply_activation_checkpointing(self.model, self.config.activation_checkpointing_policy)
         comms = Collectives(self.root_device, shortcut_single_rank=self.config.comm.shortcut_single_rank,
                             stats=self._comm_stats)
         materialized = None
@@ -166,6 +172,9 @@ class ZeroStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self.config.stage == 3:
+            install_summary(trainer, {s.param: s.spec.numel for s in self._runtime.shards})
+        self._failed = False
 
     @contextmanager
     @override
@@ -184,10 +193,17 @@ class ZeroStrategy(DDPStrategy):
         """Full parameters in the LightningModule for user code during ``fit`` (generation, export, inspection).
 
         Every rank must enter it. Under stage 3 it gathers every unit (the whole model, on each rank) and frees them
-        again on exit; changes made inside are not kept. Stages 1 and 2 always hold full parameters.
+        again on exit. In-place changes made inside (under ``torch.no_grad()``) are kept: each rank writes its rows
+        back into its shards. Stages 1 and 2 always hold full parameters.
         """
         with self.runtime.gathered():
             yield
+
+    def grad_norm(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:
+        """Use in ``on_before_optimizer_step`` instead of Lightning's ``grad_norm(module, norm_type)``, which sees only
+        this rank's gradient shards here: the same dictionary (each parameter's whole-gradient norm and the total),
+        computed over every rank's shards. Every rank must call it."""
+        return self.runtime.grad_norm(norm_type, group_separator)
 
     @override
     def configure_ddp(self) -> None:
@@ -226,6 +242,32 @@ class ZeroStrategy(DDPStrategy):
             return step(*args, **kwargs)
         finally:
             self.runtime.end_step()
+
+    @override
+    def on_validation_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        self.runtime.begin_evaluation(sum(counts), "validation")
+
+    @override
+    def on_test_start(self) -> None:
+        self.runtime.begin_evaluation(sum(self.lightning_module.trainer.num_test_batches), "test")
+
+    @override
+    def on_predict_start(self) -> None:
+        self.runtime.begin_evaluation(sum(self.lightning_module.trainer.num_predict_batches), "predict")
+
+    @override
+    def on_validation_end(self) -> None:
+        self.runtime.end_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self.runtime.end_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        self.runtime.end_evaluation()
 
     @contextmanager
     @override
@@ -293,6 +335,7 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy writes torch.distributed.checkpoint directories; storage_options is not used")
         facts = {"stage": self.config.stage, "world_size": self.world_size, "precision": self.precision_plugin.precision}
+        self.runtime.adopt_edits()
         ckpt.save_sharded(filepath, checkpoint, self.runtime.module, self.runtime.shards, facts, self.runtime.comms)
 
     @override
@@ -333,12 +376,24 @@ class ZeroStrategy(DDPStrategy):
     # -------------------------------------------------------------------------------------------------- teardown
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
         """Give the LightningModule its full trained parameters back, on the CPU, in the optimizer's precision
         (stage 3 gathers them bucket by bucket); keep the sharded optimizers, so that a checkpoint saved after
-        ``fit`` is still complete."""
+        ``fit`` is still complete. After an error nothing is gathered (a collective could wait on a rank that is
+        not coming), and a model setup left on the meta device stays there: the first error is the one to see."""
+        failed = self._failed
         if self._runtime is not None and not self._runtime.released:
-            self._runtime.release(torch.device("cpu"))
+            self._runtime.release(torch.device("cpu"), gather=not failed)
+        module = self.lightning_module
+        if module is not None and has_meta_tensors(module):
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            return
         super().teardown()
 
     @classmethod

@@ -114,34 +114,57 @@ class ParamShard:
     ``param`` is the module's own ``nn.Parameter``: the optimizer's ``param_groups`` and user code keep referring to
     it. ``local`` holds the owned rows the optimizer updates: in full precision with stages 1 and 2 a view of
     ``param``'s rows (a step updates the full parameter in place); with stage 3 or 16-bit working parameters a
-    standalone tensor (the fp32 master in mixed precision). Stage 3 frees the full parameter between uses
-    (``to_sharded``) and points it at gathered storage for a forward or backward (``to_unsharded``).
+    standalone tensor (the fp32 master in mixed precision). ``dtype`` is the full parameter's (working) dtype.
+
+    Stage 3 keeps the parameter sharded between uses (``to_sharded``): its ``.data`` is then ``local`` itself, as
+    FSDP2's sharded parameters are the local shard (in the master's dtype under mixed precision), so code that looks
+    at parameters outside a forward sees this rank's rows, element-wise edits of them are kept, and no memory is
+    held twice; for a forward or backward it points at gathered storage (``to_unsharded``).
     """
 
     name: str
     param: nn.Parameter
     spec: ShardSpec
     local: Tensor
+    dtype: torch.dtype
+    #: Whether ``param`` holds only ``local`` now (stage 3 between uses).
+    sharded: bool = False
+    #: ``param._version`` when the runtime last wrote the parameter (see ``adopt_edits``).
+    written_version: int = -1
 
     @property
     def trainable(self) -> bool:
         return self.param.requires_grad
 
     @property
-    def is_sharded(self) -> bool:
-        return self.param.numel() == 0 and self.spec.numel > 0
+    def device(self) -> torch.device:
+        return self.local.device
 
     def to_sharded(self) -> None:
-        """Free the full parameter: an empty tensor of its dtype and device (0 bytes, never freed memory)."""
-        self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.param.device)
+        """Drop the full parameter: its ``.data`` becomes the local shard."""
+        self.param.data = self.local
+        self.sharded = True
 
     def to_unsharded(self, storage: Tensor) -> None:
-        """Make the full parameter a view of ``storage`` (at least ``spec.numel`` elements of its dtype)."""
+        """Make the full parameter a view of ``storage`` (at least ``spec.numel`` elements of ``dtype``)."""
         self.param.data = storage[: self.spec.numel].view(self.spec.shape)
+        self.sharded = False
 
-    def view_rows(self) -> None:
-        """fp32 stages 1 and 2: ``local`` becomes (again) a view of the full parameter's owned rows."""
-        self.local = self.spec.local_view(self.param.detach())
+    def mark_written(self) -> None:
+        """The full parameter now holds exactly what the shards say (after a gather or an adopted edit)."""
+        self.written_version = self.param._version
+
+    @torch.no_grad()
+    def adopt_edits(self) -> bool:
+        """If the full parameter was changed in place since the runtime last wrote it (clamping, an EMA copy,
+        ``load_state_dict``: anything autograd's version counter sees), copy its owned rows into ``local``, so the
+        next update starts from them instead of overwriting them. Returns whether it did."""
+        if self.sharded or self.param._version == self.written_version:
+            return False
+        if self.local.data_ptr() != self.spec.local_view(self.param.detach()).data_ptr():
+            self.local.copy_(self.spec.local_view(self.param.detach()))
+        self.mark_written()
+        return True
 
     def set_grad_shard(self, grad: Tensor | None) -> None:
         """Put a reduced gradient shard (or None) in ``param.grad``, whatever the parameter's current shape."""
@@ -154,6 +177,11 @@ class ParamShard:
             self.param.grad = grad
         finally:
             self.param.data = data
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name as the model's state_dict spells it (activation checkpointing's wrapper adds a level)."""
+    return name.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def shard_parameters(
@@ -170,7 +198,7 @@ def shard_parameters(
         rows = spec.local_view(param.detach())
         if master_dtype is not None:
             rows = rows.to(master_dtype, copy=True)
-        shards.append(ParamShard(name, param, spec, rows))
+        shards.append(ParamShard(clean_name(name), param, spec, rows, param.dtype))
     return shards
 
 
@@ -188,8 +216,8 @@ class Bucket:
         first = self.shards[0]
         self.world_size = first.spec.world_size
         self.rank = first.spec.rank
-        self.dtype = dtype or first.param.dtype
-        self.device = first.param.device
+        self.dtype = dtype or first.dtype
+        self.device = first.device
         self.padded_numels = [s.spec.padded_numel for s in self.shards]
         self.segment_numel = sum(self.padded_numels)
         self._offsets = [0]
@@ -277,10 +305,12 @@ def make_buckets(shards: Sequence[ParamShard], bucket_bytes: int, dtype: torch.d
     current_bytes = 0
 
     def kind(shard: ParamShard) -> tuple[torch.dtype, torch.device]:
-        return shard.param.dtype, shard.param.device
+        return shard.dtype, shard.device
 
     for shard in shards:
-        size = shard.spec.padded_numel * shard.spec.world_size * shard.param.element_size()
+        if shard.spec.numel == 0:
+            continue
+        size = shard.spec.padded_numel * shard.spec.world_size * shard.dtype.itemsize
         if current and (kind(current[0]) != kind(shard) or current_bytes + size > bucket_bytes):
             buckets.append(Bucket(current, _buffer_dtype(current[0], dtype)))
             current, current_bytes = [], 0
@@ -292,4 +322,4 @@ def make_buckets(shards: Sequence[ParamShard], bucket_bytes: int, dtype: torch.d
 
 
 def _buffer_dtype(shard: ParamShard, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None and shard.param.is_floating_point() else shard.param.dtype
+    return dtype if dtype is not None and shard.dtype.is_floating_point else shard.dtype

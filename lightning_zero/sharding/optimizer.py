@@ -108,6 +108,7 @@ class ShardedOptimizer:
             for shard, data, grad in saved:
                 shard.param.data = data
                 shard.set_grad_shard(grad)
+                shard.mark_written()  # the update bumped the version counter; the full values follow the shards
 
     # ------------------------------------------------------------------------------------------------- state dicts
 

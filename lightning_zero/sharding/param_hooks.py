@@ -93,17 +93,28 @@ class Unit:
         for bucket, pending in self._pending:
             for shard, storage in zip(bucket.shards, bucket.unpack_to_storage(pending.wait())):
                 shard.to_unsharded(storage)
+                shard.mark_written()
         self._pending = []
         self.state = UnitState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Free the full parameters (a gather in flight is completed first, to keep ranks' collectives aligned)."""
+    def reshard(self, keep_edits: bool = True) -> None:
+        """Free the full parameters (a gather in flight is completed first, to keep ranks' collectives aligned).
+        ``keep_edits``: values changed in place while gathered (``gathered_parameters``, ``load_state_dict``) are
+        written back into the shards first."""
         if self.state is UnitState.SHARDED:
             return
         self.wait_unshard()
         for shard in self.shards:
+            if keep_edits:
+                shard.adopt_edits()
             shard.to_sharded()
         self.state = UnitState.SHARDED
+
+    def refresh(self) -> None:
+        """Gather again if gathered: the shards were just updated, the full parameters are stale."""
+        if self.state is not UnitState.SHARDED:
+            self.reshard(keep_edits=False)
+            self.wait_unshard()
 
     def enter_backward(self, input_grad_calls: int) -> None:
         """Gathered for backward; done once ``outstanding`` empties (``input_grad_calls``: forward calls of this
@@ -306,7 +317,12 @@ class ShardedParams:
         self.root.wait_unshard()
 
     def after_update(self, stepped: Sequence[ParamShard]) -> None:
-        """Nothing to gather now: each unit is gathered from the updated shards when it next runs."""
+        """Units are gathered from the updated shards when they next run; one still gathered (the root unit during
+        a step, manual optimization's later forwards, ``gathered_parameters``) is gathered again now."""
+        stepped = set(stepped)
+        for unit in self.all_units:
+            if unit.state is not UnitState.SHARDED and any(s in stepped for s in unit.shards):
+                unit.refresh()
 
     def end_step(self) -> None:
         """After the step's last backward, or an evaluation step: free every unit, the root included."""

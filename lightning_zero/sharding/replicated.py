@@ -29,7 +29,7 @@ class ReplicatedParams:
             self._buckets[key] = make_buckets(list(shards), self.config.bucket_bytes)
         in_flight = InFlight()
         for bucket in self._buckets[key]:
-            in_flight.add(self.comms.all_gather(bucket), lambda full, b=bucket: b.unpack(full, [s.param for s in b.shards]))
+            in_flight.add(self.comms.all_gather(bucket), lambda full, b=bucket: _unpack(b, full))
         in_flight.drain()
 
     def after_update(self, stepped: Sequence[ParamShard]) -> None:
@@ -48,3 +48,9 @@ class ReplicatedParams:
 
     def remove(self) -> None:
         """No hooks to remove."""
+
+
+def _unpack(bucket: Bucket, full: torch.Tensor) -> None:
+    bucket.unpack(full, [s.param for s in bucket.shards])
+    for shard in bucket.shards:
+        shard.mark_written()

@@ -26,16 +26,17 @@ The walk of a zero2 step, from ``training_step`` to the next forward (zero3 diff
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.sharding.collectives import Collectives
-from lightning_zero.sharding.flat_param import ParamShard, ShardSpec, make_buckets, shard_parameters
+from lightning_zero.sharding.flat_param import ParamShard, ShardSpec, clean_name, make_buckets, shard_parameters
 from lightning_zero.sharding.grad_hooks import GradReducer
 from lightning_zero.sharding.optimizer import ShardedOptimizer
 from lightning_zero.sharding.param_hooks import ShardedParams, Unit
@@ -74,8 +75,13 @@ class ZeroRuntime:
         with torch.no_grad():
             for shard in self.shards:
                 if shard.param in self.cast:
-                    shard.param.data = shard.param.data.to(working_dtype)
+                    shard.dtype = working_dtype
+                    if not shard.sharded:
+                        shard.param.data = shard.param.data.to(working_dtype)
+                shard.mark_written()
         self.shard_of = {s.param: s for s in self.shards}
+        self._module_hooks = _load_state_dict_hooks(module, self.shards)
+        self._evaluation_hold = ExitStack()
         if config.stage == 3:
             self.parameters = self.gradients = self._sharded_params()
         else:
@@ -144,6 +150,7 @@ class ZeroRuntime:
         if result is None and automatic:
             self.end_step()
             return None  # training_step returned None: no backward, no step (as Lightning's AMP plugin)
+        self.adopt_edits()
         grads = sharded.step_grads()
         scaler = precision.scaler
         if not self._scale_and_clip([g for _, g in grads], scaler, clip):
@@ -187,7 +194,59 @@ class ZeroRuntime:
         self.comms.all_reduce_(total, "the gradient norm")
         return total.sqrt()
 
+    def adopt_edits(self) -> None:
+        """Parameters changed in place since the shards last wrote them keep their new values (see
+        ``ParamShard.adopt_edits``; under mixed precision the fp32 masters take them)."""
+        for shard in self.shards:
+            shard.adopt_edits()
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:
+        """What Lightning's ``grad_norm(module, norm_type)`` returns under DDP, from the reduced gradient shards of
+        every rank (one all-reduce): the norm of each parameter's whole gradient and their total."""
+        norm_type = float(norm_type)
+        named = [(s.name, s.param.grad) for s in self.shards if s.param.grad is not None]
+        if norm_type == float("inf"):
+            parts = torch.stack([g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
+                                 for _, g in named]) if named else torch.zeros(0)
+            parts = parts.to(self.comms.device)
+            self.comms.all_reduce_(parts, "the gradient norms", op="max")
+            norms = parts
+        else:
+            parts = torch.stack([g.float().abs().pow(norm_type).sum() for _, g in named]) if named else torch.zeros(0)
+            parts = parts.to(self.comms.device)
+            self.comms.all_reduce_(parts, "the gradient norms")
+            norms = parts.pow(1.0 / norm_type)
+        values = norms.tolist()
+        out = {f"grad_{norm_type}_norm{group_separator}{name}": v for (name, _), v in zip(named, values)}
+        if values:
+            total = max(values) if norm_type == float("inf") else float(norms.pow(norm_type).sum().pow(1 / norm_type))
+            out[f"grad_{norm_type}_norm_total"] = total
+        return out
+
     # ------------------------------------------------------------------------------------------- outside a step
+
+    def begin_evaluation(self, batches: float, loop: str) -> None:
+        """Before an evaluation loop: under stage 3, ranks that will run different numbers of batches (Lightning
+        does not pad ``predict``; a custom sampler may not pad validate/test) cannot gather unit by unit, as every
+        gather is a collective; they gather the whole model once for the loop instead, and say so."""
+        if not isinstance(self.parameters, ShardedParams) or self.comms.local:
+            return
+        counts = torch.tensor([batches, -batches], dtype=torch.float64, device=self.comms.device)
+        self.comms.all_reduce_(counts, f"the {loop} batch counts", op="max")
+        most, fewest = counts[0].item(), -counts[1].item()
+        if most == fewest and most != float("inf"):
+            return
+        full = sum(s.spec.numel * s.dtype.itemsize for s in self.shards)
+        _check_fits(full, self.comms.device, loop)
+        rank_zero_info(
+            f"zero3 {loop}: ranks run different numbers of batches ({_count(fewest)} to {_count(most)}), so the whole "
+            f"model ({full / 2**20:.1f} MiB per rank) is gathered once for this loop instead of unit by unit"
+        )
+        self._evaluation_hold.enter_context(self.parameters.gathered())
+
+    def end_evaluation(self) -> None:
+        self._evaluation_hold.close()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -198,8 +257,8 @@ class ZeroRuntime:
         """What the module's parameters and the optimizers' state do not show, for ``memory.model_state_bytes``:
         standalone local shards (stage 3), fp32 masters (optimizer state, as the ZeRO paper counts them) and
         gradient shard storage."""
-        masters = [s.local for s in self.shards if s.local.dtype != s.param.dtype]
-        locals_ = [s.local for s in self.shards if s.local.dtype == s.param.dtype]
+        masters = [s.local for s in self.shards if s.local.dtype != s.dtype]
+        locals_ = [s.local for s in self.shards if s.local.dtype == s.dtype]
         return {"extra_params": locals_, "extra_grads": self.gradients.grad_buffers(), "extra_optimizer": masters}
 
     def refresh_full_parameters(self) -> None:
@@ -231,22 +290,73 @@ class ZeroRuntime:
         self.refresh_full_parameters()
 
     @torch.no_grad()
-    def release(self, device: torch.device) -> None:
+    def release(self, device: torch.device, gather: bool = True) -> None:
         """End of fit: remove the hooks and give the module its full parameters on ``device``, in the optimizer's
         precision (the fp32 masters under mixed precision), gathered bucket by bucket; the optimizers keep their
-        shard-sized state. A later setup shards the module again from these values."""
+        shard-sized state. A later setup shards the module again from these values. ``gather=False`` (after an
+        error) only removes the hooks: no collective, stage 3's parameters stay empty."""
+        self.released = True
+        if gather:
+            self.adopt_edits()
+            self.end_evaluation()
+        else:
+            self._evaluation_hold.pop_all()
         self.gradients.remove()
         self.parameters.remove()
-        self.released = True
-        replaced = [s for s in self.shards if s.local.dtype != s.param.dtype or s.is_sharded]
-        for shard in replaced:
-            shard.param.data = torch.empty(0, dtype=shard.local.dtype, device=shard.local.device)
-        for bucket in make_buckets(replaced, self.config.comm.bucket_bytes):
-            for shard in bucket.shards:
-                shard.param.data = torch.empty(shard.spec.shape, dtype=shard.local.dtype, device=shard.local.device)
-            bucket.unpack(self.comms.all_gather(bucket).wait(), [s.param for s in bucket.shards])
-            for shard in bucket.shards:
-                shard.param.data = shard.param.data.to(device)
+        for hook in self._module_hooks:
+            hook.remove()
+        if not gather:
+            return
+        replaced = [s for s in self.shards if s.local.dtype != s.dtype or s.sharded]
+        for dtype in {s.local.dtype for s in replaced}:
+            for bucket in make_buckets([s for s in replaced if s.local.dtype == dtype], self.config.comm.bucket_bytes, dtype):
+                for shard in bucket.shards:
+                    shard.param.data = torch.empty(shard.spec.shape, dtype=dtype, device=shard.device)
+                    shard.sharded = False
+                bucket.unpack(self.comms.all_gather(bucket).wait(), [s.param for s in bucket.shards])
+                for shard in bucket.shards:
+                    shard.param.data = shard.param.data.to(device)
+
+
+def _load_state_dict_hooks(module: nn.Module, shards: list[ParamShard]) -> list:
+    """``module.load_state_dict`` after setup writes each rank's rows, at full precision, into its shards (the fp32
+    masters under mixed precision); parameters stage 3 keeps empty are skipped by torch's own copy."""
+
+    @torch.no_grad()
+    def before(_module, state_dict, prefix, *_args) -> None:
+        for shard in shards:
+            key = prefix + shard.name
+            value = state_dict.get(key)
+            if not torch.is_tensor(value) or value.shape != shard.spec.shape:
+                continue  # missing or mis-shaped: torch's own load reports it
+            rows = shard.spec.local_view(value.to(shard.device))
+            shard.local.copy_(rows)
+            if shard.sharded:  # the parameter is its local shard: torch's own copy writes the same rows
+                state_dict[key] = rows
+
+    def after(_module, _incompatible) -> None:
+        for shard in shards:
+            shard.mark_written()
+
+    register_pre = getattr(module, "register_load_state_dict_pre_hook", None)
+    pre = register_pre(before) if register_pre else module._register_load_state_dict_pre_hook(before, with_module=True)
+    return [pre, module.register_load_state_dict_post_hook(after)]
+
+
+def _check_fits(nbytes: int, device: torch.device, loop: str) -> None:
+    if device.type != "cuda":
+        return
+    free = torch.cuda.mem_get_info(device)[0]
+    if nbytes > free:
+        raise RuntimeError(
+            f"zero3 {loop}: ranks run different numbers of batches, and the whole model ({nbytes / 2**30:.2f} GiB) "
+            f"does not fit in the {free / 2**30:.2f} GiB free on {device} to be gathered once: give every rank the "
+            "same number of batches (pad the dataset to a multiple of the world size)"
+        )
+
+
+def _count(n: float) -> str:
+    return "unknown" if n == float("inf") else str(int(n))
 
 
 def _refuse_complex(module: nn.Module) -> None:
@@ -276,7 +386,7 @@ def _replicated_shards(module: nn.Module, comms: Collectives, cast: set[nn.Param
 def _stage3_shards(
     module: nn.Module, comms: Collectives, cast: set[nn.Parameter], materialized: Materialized
 ) -> list[ParamShard]:
-    """Stage 3: standalone local rows (fp32 masters of those cast to 16 bits), the full parameters freed."""
+    """Stage 3: standalone local rows (fp32 masters of those cast to 16 bits), which the parameters then hold."""
     shards = []
     for name, param in module.named_parameters():
         if param in materialized:
@@ -284,9 +394,8 @@ def _stage3_shards(
         else:
             shape = param.shape
             rows = ShardSpec(shape, comms.rank, comms.world_size).local_view(param.detach()).clone()
-        shard = ParamShard(name, param, ShardSpec(shape, comms.rank, comms.world_size), rows)
-        if param in cast:
-            shard.local = rows.float()
+        local = rows.float() if param in cast else rows
+        shard = ParamShard(clean_name(name), param, ShardSpec(shape, comms.rank, comms.world_size), local, param.dtype)
         shard.to_sharded()
         shards.append(shard)
     return shards

@@ -1,0 +1,185 @@
+"""What Lightning features need from ZeroStrategy at setup: refusals made up front, activation checkpointing, and a
+model summary that counts sharded parameters.
+
+[Note: what is refused under zero3, and why]
+Stage 3 keeps parameters empty between uses; a feature that reads or copies whole parameters outside a forward
+cannot work without holding the model in full on every rank, which is what zero3 exists to avoid. Such features are
+refused when the Trainer sets up, naming the feature and the alternative, instead of failing deep inside training:
+
+* ``StochasticWeightAveraging``, ``WeightAveraging`` / ``EMAWeightAveraging``: they deep-copy the model and average
+  whole parameters after steps. Use zero1 or zero2 (full parameters on every rank; tested against DDP).
+* ``ModelPruning``: it computes masks from whole weights at epoch ends and re-parametrizes them. Use zero1 or zero2.
+* ``torch.compile`` of the model (or of a submodule): stage 3 swaps parameter storage around every unit's forward
+  and backward, which compiled graphs do not expect. zero1 and zero2 compile as DDP does (tested).
+
+Everything else Lightning users do under DDP works the same (see tests/distributed/test_lightning_semantics.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelPruning, ModelSummary, RichModelSummary, StochasticWeightAveraging
+from lightning.pytorch.utilities.model_summary import LayerSummary
+from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+from torch import nn
+
+from lightning_zero.config import ZeroConfig
+
+try:  # Lightning >= 2.5
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # pragma: no cover
+    WeightAveraging = None
+
+_REFUSED_UNDER_ZERO3 = {
+    StochasticWeightAveraging: "it deep-copies the model and averages whole parameters",
+    ModelPruning: "it computes pruning masks from whole weights",
+}
+if WeightAveraging is not None:
+    _REFUSED_UNDER_ZERO3[WeightAveraging] = "it keeps an averaged copy of the whole model"
+
+
+class ZeroUnsupportedError(ValueError):
+    """A Lightning feature cannot work under this ZeRO stage; the message names it and the alternative."""
+
+
+def refuse_unsupported(trainer: pl.Trainer, model: nn.Module, config: ZeroConfig) -> None:
+    """Raise before anything is sharded if the Trainer or the model uses a feature zero3 cannot support (see
+    [Note: what is refused under zero3, and why])."""
+    if config.stage != 3:
+        return
+    for callback in trainer.callbacks:
+        for cls, reason in _REFUSED_UNDER_ZERO3.items():
+            if isinstance(callback, cls):
+                raise ZeroUnsupportedError(
+                    f"{type(callback).__name__} cannot run under zero3: {reason}, while zero3 keeps each rank's "
+                    "parameters sharded. Use strategy='zero2' or 'zero1' (full parameters on every rank)."
+                )
+    compiled = [name or type(model).__name__ for name, m in model.named_modules() if _is_compiled(m)]
+    if getattr(model, "_compiler_ctx", None) is not None:
+        compiled.insert(0, type(model).__name__)
+    if compiled:
+        raise ZeroUnsupportedError(
+            f"torch.compile of {compiled[0]!r} cannot run under zero3, which swaps parameter storage around every "
+            "unit's forward and backward. Use strategy='zero2' or 'zero1' with torch.compile, or zero3 uncompiled."
+        )
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo")
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: tuple[Any, ...]) -> None:
+    """Recompute the forward of every submodule whose class matches ``policy`` in backward (torch's
+    ``checkpoint_wrapper``, non-reentrant, as Lightning's FSDP strategies apply it). Applied once per model."""
+    if not policy:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing as apply,
+        checkpoint_wrapper,
+    )
+
+    if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
+        return
+    matched = [False] * len(policy)
+
+    def check(module: nn.Module) -> bool:
+        hits = [_class_matches(module, entry) for entry in policy]
+        for i, hit in enumerate(hits):
+            matched[i] |= hit
+        return any(hits)
+
+    apply(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=check)
+    if not any(matched):
+        raise ZeroUnsupportedError(
+            f"activation_checkpointing_policy={list(_policy_names(policy))} matches no module of "
+            f"{type(model).__name__}: give module classes or their names"
+        )
+
+
+def _class_matches(module: nn.Module, entry: Any) -> bool:
+    cls = type(module)
+    if isinstance(entry, type):
+        return isinstance(module, entry)
+    return entry in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _policy_names(policy: tuple[Any, ...]) -> list[str]:
+    return [p.__name__ if isinstance(p, type) else p for p in policy]
+
+
+# --------------------------------------------------------------------------------------------------- model summary
+
+
+def install_summary(trainer: pl.Trainer, numel: dict[nn.Parameter, int]) -> None:
+    """Under zero3, swap the Trainer's model-summary callback for one that counts each parameter at its full size
+    (it is empty between uses)."""
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) in _ZERO_SUMMARIES:
+            replacement = _ZERO_SUMMARIES[type(callback)](callback._max_depth, **callback._summarize_kwargs)
+            replacement.numel = numel
+            trainer.callbacks[index] = replacement
+
+
+class _ZeroLayerSummary(LayerSummary):
+    def __init__(self, module: nn.Module, numel: dict[nn.Parameter, int]) -> None:
+        super().__init__(module)
+        self._numel = numel
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(self._numel.get(p, p.numel()) for p in self._module.parameters())
+
+
+class ZeroSummary(Summary):
+    """Lightning's model summary with sharded parameters counted at their full size."""
+
+    def __init__(self, model: pl.LightningModule, numel: dict[nn.Parameter, int], max_depth: int = 1):
+        self._numel = numel
+        super().__init__(model, max_depth)
+
+    def summarize(self) -> dict[str, LayerSummary]:
+        summary = OrderedDict((name, _ZeroLayerSummary(m, self._numel)) for name, m in self.named_modules)
+        for layer in summary.values():
+            layer.detach_hook()
+        if self._max_depth >= 1:
+            for key in [k for k in summary if k.count(".") >= self._max_depth]:
+                del summary[key]
+        return summary
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(self._numel.get(p, p.numel()) for p in self._model.parameters())
+
+    @property
+    def trainable_parameters(self) -> int:
+        return sum(self._numel.get(p, p.numel()) for p in self._model.parameters() if p.requires_grad)
+
+    @property
+    def total_layer_params(self) -> int:
+        return sum(self.param_nums)
+
+    @property
+    def model_size(self) -> float:
+        return sum(self._numel.get(p, p.numel()) * p.element_size() for p in self._model.parameters()) / 1e6
+
+
+class _SummaryMixin:
+    numel: dict[nn.Parameter, int] = {}
+
+    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Summary:
+        return ZeroSummary(pl_module, self.numel, max_depth=self._max_depth)
+
+
+class ZeroModelSummary(_SummaryMixin, ModelSummary):
+    """``ModelSummary`` for zero3 (installed by the strategy in place of Lightning's)."""
+
+
+class ZeroRichModelSummary(_SummaryMixin, RichModelSummary):
+    """``RichModelSummary`` for zero3 (installed by the strategy in place of Lightning's)."""
+
+
+_ZERO_SUMMARIES = {ModelSummary: ZeroModelSummary, RichModelSummary: ZeroRichModelSummary}
