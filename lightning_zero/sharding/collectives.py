@@ -147,6 +147,7 @@ class Collectives:
         self.device = device
         self.local = not self.distributed or (self.world_size == 1 and shortcut_single_rank)
         self.stats = stats if stats is not None else CommStats()
+        self._control: dist.ProcessGroup | None = None
 
     def check(self, what: str, where: Tensor | torch.device) -> None:
         """Raise, naming ``what``, unless ``where`` (a tensor or a device) is this group's device."""
@@ -229,6 +230,28 @@ class Collectives:
             works.append(dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True))
         for work in works:
             work.wait()
+
+    def open_control_channel(self) -> None:
+        """Make the group ``exchange`` uses: this one on gloo, a gloo group over the same ranks beside NCCL (host
+        tensors, so checking costs the device nothing). Every rank must call it, at the same point."""
+        if self.local or self._control is not None:
+            return
+        if self.backend == "gloo":
+            self._control = self.group or dist.group.WORLD
+            return
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
+        self._control = dist.new_group(ranks, backend="gloo")
+
+    def exchange(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (a few host-side integers: which collective a rank is about to issue). Control
+        messages, not model state: not counted in ``stats``."""
+        if self.local:
+            return [list(values)]
+        self.open_control_channel()
+        tensor = torch.tensor(list(values), dtype=torch.int64)
+        everyone = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(everyone, tensor, group=self._control)
+        return [t.tolist() for t in everyone]
 
     def barrier(self) -> None:
         if self.distributed:

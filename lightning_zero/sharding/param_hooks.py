@@ -27,7 +27,7 @@ make sure the unit is gathered, in state ``BACKWARD``, so recomputation costs no
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum, auto
 
@@ -54,15 +54,31 @@ class UnitState(Enum):
     """Gathered for backward; ``Unit.outstanding`` lists what must happen before its gradients can be reduced."""
 
 
-class Unit:
-    """The parameters of one module that are gathered, freed and reduced together."""
+class RankDivergenceError(RuntimeError):
+    """Ranks issued different unit collectives: control flow differed between ranks under zero3."""
 
-    def __init__(self, index: int, name: str, module: nn.Module, shards: Sequence[ParamShard], comms: Collectives):
+
+class Unit:
+    """The parameters of one module that are gathered, freed and reduced together.
+
+    ``announce(kind, unit)`` is called before each of the unit's collectives (see ``ShardedParams._announce``).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        shards: Sequence[ParamShard],
+        comms: Collectives,
+        announce: Callable[[str, Unit], None] = lambda kind, unit: None,
+    ):
         self.index = index
         self.name = name or "<root>"
         self.module = module
         self.shards = list(shards)
         self.comms = comms
+        self.announce = announce
         self.gather_buckets = make_buckets(self.shards, _NO_LIMIT)
         self.state = UnitState.SHARDED
         #: In state BACKWARD: the shards whose gradient has not been accumulated yet, and "inputs" once per forward
@@ -82,6 +98,8 @@ class Unit:
         """Issue the all-gather of this unit's shards, unless it is already gathered or on its way."""
         if self.state is not UnitState.SHARDED:
             return
+        if self.gather_buckets:
+            self.announce("gather", self)
         self._pending = [(bucket, self.comms.all_gather(bucket)) for bucket in self.gather_buckets]
         self.state = UnitState.GATHERING
 
@@ -165,6 +183,11 @@ class ShardedParams:
     def __init__(self, root: Unit, units: Sequence[Unit], comms: Collectives, comm: CommConfig, config: Stage3Config):
         self.root = root
         self.units = list(units)
+        self._announced = 0
+        if config.verify_unit_order:
+            comms.open_control_channel()
+            for unit in self.all_units:
+                unit.announce = self._announce
         self.comms = comms
         self.comm = comm
         self.config = config
@@ -257,7 +280,10 @@ class ShardedParams:
 
     def _launch_reduce(self, unit: Unit, used: dict[ParamShard, bool] | None = None) -> None:
         self._next_reduce += 1
-        for bucket in self._buckets_to_reduce(unit):
+        buckets = self._buckets_to_reduce(unit)
+        if buckets:
+            unit.announce("reduce", unit)
+        for bucket in buckets:
             grads = [s.param.grad if used is None or used[s] else None for s in bucket.shards]
             if used is None and not self._warned_unused and any(g is None for g in grads):
                 self._warned_unused = True
@@ -310,10 +336,33 @@ class ShardedParams:
         self.comms.all_reduce_(flags, "the find_unused_parameters flags")
         return dict(zip(shards, (flags > 0).tolist()))
 
+    _KINDS = ("gather", "reduce")
+
+    def _announce(self, kind: str, unit: Unit) -> None:
+        """[Note: ranks that run different units] Every unit collective is a collective: if one rank gathers a unit
+        that another skipped (a branch taken on some ranks only), their collectives no longer pair up; gloo aborts the
+        process on the size mismatch, NCCL hangs until the process-group timeout. So before each one, the ranks swap
+        which unit they are about to move (three integers over a CPU control group, no device synchronisation), and
+        a disagreement raises at once on every rank, naming both units."""
+        self._announced += 1
+        mine = [self._KINDS.index(kind), unit.index, self._announced]
+        everyone = self.comms.exchange(mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs != mine:
+                units = {u.index: u for u in self.all_units}
+                raise RankDivergenceError(
+                    f"ranks diverged under zero3: this rank (rank {self.comms.rank}) is about to {kind} "
+                    f"{unit} (unit collective #{mine[2]} of this step), rank {rank} to "
+                    f"{self._KINDS[theirs[0]]} {units[theirs[1]]} (#{theirs[2]}). Every rank must run the same units "
+                    "in the same order: run the branch on every rank, or make the modules it skips part of the root "
+                    "unit (units=...)"
+                )
+
     # ------------------------------------------------------------------------------------------------------ steps
 
     def begin_step(self) -> None:
         """Before a training or evaluation step: the root unit's parameters are needed throughout."""
+        self._announced = 0
         self.root.wait_unshard()
 
     def after_update(self, stepped: Sequence[ParamShard]) -> None:
