@@ -1,7 +1,8 @@
 """Configuration of the ZeRO strategy: small frozen dataclasses, each owned by the component that uses it.
 
 ``ZeroConfig`` composes them: ``CommConfig`` (buckets and gradient reduction, used by the reducers and
-``collectives.py``) and ``Stage3Config`` (units, prefetch and resharding, used by ``param_hooks.py``). Users never
+``collectives.py``), ``Stage3Config`` (units, prefetch and resharding, used by ``param_hooks.py``) and
+``OffloadConfig`` (where optimizer states and parameter shards live, used by ``offload/``). Users never
 name the components: ``ZeroStrategy(stage=3, prefetch=2)``, the Hydra config and ``ZeroConfig.from_options`` take
 flat option names, each defined once, here, with its default (``option_defaults`` lists them, and the CLI builds the
 Hydra schema of ``strategy=zero*`` from it). Every error names the option, the value it got and what is allowed, so a
@@ -107,6 +108,63 @@ class Stage3Config:
         return max(1, int(self.unit_mb * 2**20))
 
 
+OFFLOAD_TARGETS = ("cpu", "disk")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where the model states that do not need the accelerator live (ZeRO-Offload, ZeRO-Infinity).
+
+    Args:
+        offload_optimizer: ``"cpu"``: the fp32 master weights and optimizer states live in host memory and the
+            optimizer step runs there (torch's fused CPU kernels), bucket by bucket, overlapped with the transfers;
+            ``"disk"``: they live in files under ``offload_dir`` and are streamed through host memory, sub-group by
+            sub-group, for each step. ``None`` keeps them on the training device.
+        offload_params: stage 3: ``"cpu"`` keeps each rank's parameter shards in host memory between uses, brought
+            to the device with each unit's all-gather; ``"disk"`` keeps them in files under ``offload_dir``.
+        offload_dir: the directory disk offload writes into (a private subdirectory is created and removed at the
+            end); ``None`` uses the system's temporary directory.
+        offload_subgroup_mb: disk offload streams the states of this many MiB of parameters at a time.
+        offload_resident_subgroups: how many sub-groups disk offload holds in host memory at once (the one
+            stepping, the ones being read ahead or written back): bounds host memory to about this many sub-groups.
+    """
+
+    offload_optimizer: str | None = None
+    offload_params: str | None = None
+    offload_dir: str | None = None
+    offload_subgroup_mb: float = 256.0
+    offload_resident_subgroups: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if value is not None and value not in OFFLOAD_TARGETS:
+                allowed = ", ".join(repr(v) for v in (None, *OFFLOAD_TARGETS))
+                raise ZeroConfigError(f"{name}={value!r} is invalid: allowed values are {allowed}")
+        if self.offload_params is not None and self.offload_optimizer is None:
+            raise ZeroConfigError(
+                f"offload_params={self.offload_params!r} needs offload_optimizer too: the fp32 masters would otherwise "
+                "stay on the device while the parameter shards leave it"
+            )
+        if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
+            raise ZeroConfigError(f"offload_dir={self.offload_dir!r} is invalid: it must be a directory path")
+        _check_mib("offload_subgroup_mb", self.offload_subgroup_mb)
+        resident = self.offload_resident_subgroups
+        if isinstance(resident, bool) or not isinstance(resident, int) or resident < 2:
+            raise ZeroConfigError(
+                f"offload_resident_subgroups={resident!r} is invalid: it must be an integer >= 2 (one stepping, one "
+                "read ahead)"
+            )
+
+    @property
+    def subgroup_bytes(self) -> int:
+        return max(1, int(self.offload_subgroup_mb * 2**20))
+
+    @property
+    def on_disk(self) -> bool:
+        return "disk" in (self.offload_optimizer, self.offload_params)
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """What to shard, and the options of each component (see the module docstring).
@@ -123,10 +181,16 @@ class ZeroConfig:
     activation_checkpointing_policy: tuple[Any, ...] = ()
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
             raise ZeroConfigError(f"stage={self.stage!r} is invalid: allowed values are 1, 2 or 3")
+        if self.offload.offload_params is not None and self.stage != 3:
+            raise ZeroConfigError(
+                f"offload_params={self.offload.offload_params!r} needs stage=3 (stages 1 and 2 keep full parameters "
+                f"on every rank), got stage={self.stage}: use offload_optimizer to offload stage {self.stage}'s states"
+            )
         policy = self.activation_checkpointing_policy
         if isinstance(policy, (str, type)) or not all(isinstance(p, type) or (isinstance(p, str) and p) for p in policy):
             raise ZeroConfigError(
@@ -162,7 +226,7 @@ class ZeroConfig:
         return [f.name for f in dataclasses.fields(Stage3Config) if getattr(self.stage3, f.name) != getattr(default, f.name)]
 
 
-_COMPONENTS: dict[str, type] = {"comm": CommConfig, "stage3": Stage3Config}
+_COMPONENTS: dict[str, type] = {"comm": CommConfig, "stage3": Stage3Config, "offload": OffloadConfig}
 
 
 def option_defaults() -> dict[str, Any]:

@@ -16,15 +16,23 @@ from torch.optim import Optimizer
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    """Bytes of one rank's model states by kind."""
+    """Bytes of one rank's model states by kind (wherever they live), and how many of them live on the host and
+    on disk rather than on the training device."""
 
     params: int
     grads: int
     optimizer: int
+    host: int = 0
+    disk: int = 0
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def device(self) -> int:
+        """Bytes on the training device (the CPU itself in a CPU run, where placement is still accounted)."""
+        return self.total - self.host - self.disk
 
 
 def model_state_bytes(
@@ -33,12 +41,15 @@ def model_state_bytes(
     extra_params: Iterable[torch.Tensor] = (),
     extra_grads: Iterable[torch.Tensor] = (),
     extra_optimizer: Iterable[torch.Tensor] = (),
+    host: Iterable[torch.Tensor] = (),
+    disk: int = 0,
 ) -> ModelStateBytes:
     """Bytes of the parameters of ``module``, their gradients and the ``optimizers``' states.
 
     The ``extra_*`` tensors are model state held outside the module and the optimizers' ``state`` (a sharding
     strategy's standalone parameter shards, gradient shard storage, fp32 master copies, which count as optimizer
-    state as in the ZeRO paper's accounting).
+    state as in the ZeRO paper's accounting). ``host`` names the counted tensors that live on the host (offload);
+    ``disk`` is the bytes of model state held in files (counted in the kinds too).
     """
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     params = list(module.parameters()) + list(extra_params)
@@ -46,7 +57,9 @@ def model_state_bytes(
     states = list(extra_optimizer) + [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     seen: set[tuple[torch.device, int]] = set()
     optimizer = _storage_bytes(states, seen)  # first: a stage-3 parameter between uses holds its fp32 master
-    return ModelStateBytes(params=_storage_bytes(params, seen), grads=_storage_bytes(grads, seen), optimizer=optimizer)
+    params_bytes, grads_bytes = _storage_bytes(params, seen), _storage_bytes(grads, seen)
+    on_host = _storage_bytes(host, set())
+    return ModelStateBytes(params_bytes, grads_bytes, optimizer + disk, host=on_host, disk=disk)
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[torch.device, int]]) -> int:

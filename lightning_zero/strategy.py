@@ -37,6 +37,11 @@ from lightning_zero.sharding.materialize import has_meta_tensors, materialize_sh
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
 
 _START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
+#: Registered offload variants: name suffix -> (stages, options).
+_OFFLOAD_VARIANTS = {
+    "_offload": ((1, 2, 3), {"offload_optimizer": "cpu"}),
+    "_offload_disk": ((3,), {"offload_optimizer": "disk", "offload_params": "disk"}),
+}
 
 
 class ZeroStrategy(DDPStrategy):
@@ -170,7 +175,7 @@ class ZeroStrategy(DDPStrategy):
             for sharded in previous.optimizers.values():
                 self._runtime.shard_optimizer(sharded.optimizer)
         self.setup_precision_plugin()
-        if fitting:
+        if fitting and self._runtime.offload is None:  # offloaded optimizer states stay on the host
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.config.stage == 3:
             install_summary(trainer, {s.param: s.spec.numel for s in self._runtime.shards})
@@ -371,7 +376,6 @@ class ZeroStrategy(DDPStrategy):
             return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self.runtime.sharded(optimizer).load_consolidated_state_dict(state)
-        _optimizers_to_device(self.optimizers, self.root_device)
 
     # -------------------------------------------------------------------------------------------------- teardown
 
@@ -407,4 +411,9 @@ class ZeroStrategy(DDPStrategy):
                     description=f"ZeRO stage {stage} with start_method '{start_method}'",
                     stage=stage,
                     start_method=start_method,
+                )
+        for suffix, (stages, options) in _OFFLOAD_VARIANTS.items():
+            for stage in stages:
+                strategy_registry.register(
+                    f"zero{stage}{suffix}", cls, description=f"ZeRO stage {stage} with {options}", stage=stage, **options
                 )

@@ -186,10 +186,10 @@ class Collectives:
         return Pending([work], lambda: bucket.local_views(bucket.segment(buffer)))
 
     def all_gather(self, bucket: Bucket, shards: Sequence[Tensor] | None = None) -> Pending:
-        """Gather every rank's shards of ``bucket`` (default: each shard's ``local``, cast to the bucket's dtype);
+        """Gather every rank's shards of ``bucket`` (default: each shard's ``gather_source``, cast to the bucket's dtype);
         the pending result is the full rank-major buffer, for ``Bucket.unpack`` or ``Bucket.unpack_to_storage``."""
-        sources = [s.local for s in bucket.shards] if shards is None else shards
-        self.check(f"the shard of {bucket.shards[0].name}", sources[0])
+        sources = [s.gather_source for s in bucket.shards] if shards is None else shards
+        self.check(f"the shard of {bucket.shards[0].name}", bucket.device)
         buffer = bucket.empty()
         with torch.no_grad():
             bucket.pack_local(sources, bucket.segment(buffer))

@@ -126,8 +126,13 @@ class ParamShard:
     param: nn.Parameter
     spec: ShardSpec
     local: Tensor
+    #: The full parameter's (working) dtype and device: where a gather puts it.
     dtype: torch.dtype
-    #: Whether ``param`` holds only ``local`` now (stage 3 between uses).
+    device: torch.device
+    #: With offloaded masters: this rank's rows in ``dtype`` where the gathers read them (the device; the host with
+    #: ``offload_params``). ``None``: the gathers read ``local``.
+    working: Tensor | None = None
+    #: Whether ``param`` holds only its shard now (stage 3 between uses).
     sharded: bool = False
     #: ``param._version`` when the runtime last wrote the parameter (see ``adopt_edits``).
     written_version: int = -1
@@ -137,12 +142,13 @@ class ParamShard:
         return self.param.requires_grad
 
     @property
-    def device(self) -> torch.device:
-        return self.local.device
+    def gather_source(self) -> Tensor:
+        """The rows this rank contributes to an all-gather of the parameter."""
+        return self.local if self.working is None else self.working
 
     def to_sharded(self) -> None:
-        """Drop the full parameter: its ``.data`` becomes the local shard."""
-        self.param.data = self.local
+        """Drop the full parameter: its ``.data`` becomes the shard the gathers read."""
+        self.param.data = self.gather_source
         self.sharded = True
 
     def to_unsharded(self, storage: Tensor) -> None:
@@ -161,8 +167,10 @@ class ParamShard:
         next update starts from them instead of overwriting them. Returns whether it did."""
         if self.sharded or self.param._version == self.written_version:
             return False
-        if self.local.data_ptr() != self.spec.local_view(self.param.detach()).data_ptr():
-            self.local.copy_(self.spec.local_view(self.param.detach()))
+        rows = self.spec.local_view(self.param.detach())
+        for destination in (self.local, self.working):
+            if destination is not None and destination.data_ptr() != rows.data_ptr():
+                destination.copy_(rows)
         self.mark_written()
         return True
 
@@ -198,7 +206,7 @@ def shard_parameters(
         rows = spec.local_view(param.detach())
         if master_dtype is not None:
             rows = rows.to(master_dtype, copy=True)
-        shards.append(ParamShard(clean_name(name), param, spec, rows, param.dtype))
+        shards.append(ParamShard(clean_name(name), param, spec, rows, param.dtype, param.device))
     return shards
 
 
@@ -254,6 +262,11 @@ class Bucket:
 
     def pack_local(self, tensors: Sequence[Tensor], segment: Tensor) -> None:
         """Write this rank's unpadded shards into its segment (cast to the segment's dtype), zeroing the padding."""
+        if any(t.device != segment.device for t in tensors):  # shards kept on the host (offload_params): copy over
+            for shard, tensor, view in zip(self.shards, tensors, self._segment_views(segment)):
+                view[: shard.spec.local_numel].copy_(tensor.reshape(-1), non_blocking=True)
+                view[shard.spec.local_numel :].zero_()
+            return
         pieces = []
         for shard, tensor in zip(self.shards, tensors):
             pieces.append(tensor.reshape(-1))
@@ -261,6 +274,9 @@ class Bucket:
             if pad:
                 pieces.append(torch.zeros(pad, dtype=segment.dtype, device=segment.device))
         torch.cat(pieces, out=segment)
+
+    def _segment_views(self, segment: Tensor) -> list[Tensor]:
+        return [segment[offset : offset + padded] for offset, padded in zip(self._offsets, self.padded_numels)]
 
     def unpack(self, buffer: Tensor, tensors: Sequence[Tensor]) -> None:
         """Copy a rank-major buffer into full-shape tensors of any strides, dropping the padding."""

@@ -76,27 +76,48 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------------------------------------------ the step
 
+    def shards_with_grads(self) -> list[ParamShard]:
+        """The shards whose ``param.grad`` holds a reduced gradient shard."""
+        return [s for s in self.shards if s.param.grad is not None and s.param.grad.shape == s.spec.local_shape]
+
     def step_grads(self) -> list[tuple[ParamShard, Tensor]]:
         """The reduced gradient shards in the masters' dtype, for shards that have one: the shards themselves when
         the dtypes agree (fp32), else fp32 copies that live for this step only (16-bit working gradients)."""
         out = []
-        for shard in self.shards:
+        for shard in self.shards_with_grads():
             grad = shard.param.grad
-            if grad is None or grad.shape != shard.spec.local_shape:
-                continue
             out.append((shard, grad if grad.dtype == shard.local.dtype else grad.to(shard.local.dtype)))
         return out
 
     @torch.no_grad()
-    def update(self, grads: list[tuple[ParamShard, Tensor]], **kwargs: Any) -> Any:
-        """Run the user's ``optimizer.step()`` with the shards swapped in (see the module docstring)."""
-        with self._swapped_in(dict(grads)):
+    def update(self, grads: list[tuple[ParamShard, Tensor]], only: list[ParamShard] | None = None, **kwargs: Any) -> Any:
+        """Run the user's ``optimizer.step()`` with the shards swapped in (see the module docstring); ``only``
+        restricts the step to those shards (offload steps group by group), each group keeping its settings."""
+        with self._swapped_in(dict(grads), only), self._restricted_to(only):
             return self.optimizer.step(**kwargs)
 
     @contextmanager
-    def _swapped_in(self, grads: dict[ParamShard, Tensor] | None = None) -> Iterator[None]:
+    def _restricted_to(self, only: list[ParamShard] | None) -> Iterator[None]:
+        if only is None:
+            yield
+            return
+        keep = {s.param for s in only}
+        groups = self.optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = [p for p in group["params"] if p in keep]
+        try:
+            yield
+        finally:
+            for group, params in zip(groups, saved):
+                group["params"] = params
+
+    @contextmanager
+    def _swapped_in(
+        self, grads: dict[ParamShard, Tensor] | None = None, only: list[ParamShard] | None = None
+    ) -> Iterator[None]:
         saved = []
-        for shard in self.shards:
+        for shard in self.shards if only is None else only:
             param = shard.param
             saved.append((shard, param.data, param.grad))
             param.data = shard.local

@@ -80,6 +80,7 @@ class ZeroRuntime:
                         shard.param.data = shard.param.data.to(working_dtype)
                 shard.mark_written()
         self.shard_of = {s.param: s for s in self.shards}
+        self.offload = _make_offload(self.shards, config) if config.offload.offload_optimizer else None
         self._module_hooks = _load_state_dict_hooks(module, self.shards)
         self._evaluation_hold = ExitStack()
         if config.stage == 3:
@@ -106,6 +107,8 @@ class ZeroRuntime:
 
     def shard_optimizer(self, optimizer: Optimizer) -> ShardedOptimizer:
         sharded = ShardedOptimizer(optimizer, self.shard_of)
+        if self.offload is not None:
+            self.offload.use_fused_kernels(optimizer)
         self.optimizers[id(optimizer)] = sharded
         return sharded
 
@@ -151,18 +154,29 @@ class ZeroRuntime:
             self.end_step()
             return None  # training_step returned None: no backward, no step (as Lightning's AMP plugin)
         self.adopt_edits()
-        grads = sharded.step_grads()
-        scaler = precision.scaler
-        if not self._scale_and_clip([g for _, g in grads], scaler, clip):
-            return None
-        output = sharded.update(grads, **kwargs)
-        self.parameters.after_update([s for s, _ in grads])
+        clip_value = clip[1] if clip is not None and clip[0] == "value" else None
+        if self.offload is not None:
+            stepped = sharded.shards_with_grads()
+            factor = self._agree_factor([s.param.grad for s in stepped], precision.scaler, clip)
+            if factor is None:
+                return None
+            output = self.offload.update(sharded, stepped, float(factor), clip_value, **kwargs)
+        else:
+            grads = sharded.step_grads()
+            stepped = [s for s, _ in grads]
+            factor = self._agree_factor([g for _, g in grads], precision.scaler, clip)
+            if factor is None:
+                return None
+            _scale_(grads, factor, clip_value)
+            output = sharded.update(grads, **kwargs)
+        self.parameters.after_update(stepped)
         return output
 
     @torch.no_grad()
-    def _scale_and_clip(self, grads: list[Tensor], scaler: Any, clip: tuple[str, float] | None) -> bool:
-        """Unscale (fp16) and clip ``grads`` in place, after one all-reduce of their sum of squares; False when an
-        fp16 overflow on any rank skips the step (the scaler backs off)."""
+    def _agree_factor(self, grads: list[Tensor], scaler: Any, clip: tuple[str, float] | None) -> Tensor | float | None:
+        """The factor the gradients are multiplied by (the loss scale's inverse, the clip coefficient), after one
+        all-reduce of their sum of squares when clipping by norm or loss scaling; ``None`` when an fp16 overflow on
+        any rank skips the step (the scaler backs off)."""
         inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
         by_norm = clip is not None and clip[0] == "norm"
         factor: Tensor | float = inv_scale
@@ -172,16 +186,11 @@ class ZeroRuntime:
                 found_inf = (~torch.isfinite(norm)).float()
                 scaler.update_from(found_inf)
                 if found_inf.item():
-                    return False
+                    return None
             if by_norm:
                 self.last_grad_norm = norm
                 factor = inv_scale * torch.clamp(clip[1] / (norm + 1e-6), max=1.0)
-        if grads and (torch.is_tensor(factor) or factor != 1.0):
-            torch._foreach_mul_(grads, factor)
-        if clip is not None and clip[0] == "value" and grads:
-            torch._foreach_clamp_min_(grads, -clip[1])
-            torch._foreach_clamp_max_(grads, clip[1])
-        return True
+        return factor
 
     def _global_norm(self, grads: list[Tensor]) -> Tensor:
         """The L2 norm of every rank's gradient shards together (padding excluded): one all-reduce."""
@@ -189,7 +198,7 @@ class ZeroRuntime:
         for dtype in {g.dtype for g in grads}:
             group = [g for g in grads if g.dtype == dtype and g.numel() > 0]
             if group:
-                norms = torch._foreach_norm(group, 2)
+                norms = torch._foreach_norm(group, 2, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
                 total += torch.stack(norms).float().square().sum().to(total.device)
         self.comms.all_reduce_(total, "the gradient norm")
         return total.sqrt()
@@ -253,16 +262,28 @@ class ZeroRuntime:
         with self.parameters.gathered():
             yield
 
-    def held_tensors(self) -> dict[str, list[Tensor]]:
+    def held_tensors(self) -> dict[str, Any]:
         """What the module's parameters and the optimizers' state do not show, for ``memory.model_state_bytes``:
-        standalone local shards (stage 3), fp32 masters (optimizer state, as the ZeRO paper counts them) and
-        gradient shard storage."""
-        masters = [s.local for s in self.shards if s.local.dtype != s.dtype]
-        locals_ = [s.local for s in self.shards if s.local.dtype == s.dtype]
-        return {"extra_params": locals_, "extra_grads": self.gradients.grad_buffers(), "extra_optimizer": masters}
+        standalone local shards (stage 3), fp32 masters (optimizer state, as the ZeRO paper counts them; every
+        master once offloaded), gradient shard storage, and which of them live on the host."""
+        offloaded = self.offload is not None
+        masters = [s.local for s in self.shards if offloaded or s.local.dtype != s.dtype]
+        locals_ = [s.gather_source for s in self.shards if not offloaded and s.local.dtype == s.dtype]
+        working = [s.working for s in self.shards if offloaded and s.working is not None]
+        host = list(masters) if offloaded else []
+        if offloaded:
+            host += [v for o in self.optimizers.values() for st in o.optimizer.state.values() for v in st.values()
+                     if torch.is_tensor(v)]
+            host += [s.working for s in self.shards if s.working is not None and s.working.device.type == "cpu" and
+                     self.config.offload.offload_params]
+        return {"extra_params": locals_ + working, "extra_grads": self.gradients.grad_buffers(),
+                "extra_optimizer": masters, "host": host}
 
     def refresh_full_parameters(self) -> None:
-        """After the shards were loaded: stages 1 and 2 rebuild the full parameters (stage 3 gathers on use)."""
+        """After the shards were loaded: offloaded masters are copied where the gathers read them; stages 1 and 2
+        rebuild the full parameters (stage 3 gathers on use)."""
+        if self.offload is not None:
+            self.offload.push(self.shards)
         if isinstance(self.parameters, ReplicatedParams):
             self.parameters.gather(self.shards)
 
@@ -313,9 +334,26 @@ class ZeroRuntime:
                 for shard in bucket.shards:
                     shard.param.data = torch.empty(shard.spec.shape, dtype=dtype, device=shard.device)
                     shard.sharded = False
-                bucket.unpack(self.comms.all_gather(bucket).wait(), [s.param for s in bucket.shards])
+                gathered = self.comms.all_gather(bucket, [s.local for s in bucket.shards]).wait()
+                bucket.unpack(gathered, [s.param for s in bucket.shards])
                 for shard in bucket.shards:
                     shard.param.data = shard.param.data.to(device)
+
+
+def _scale_(grads: list[tuple[ParamShard, Tensor]], factor: Tensor | float, clip_value: float | None) -> None:
+    tensors = [g for _, g in grads]
+    if tensors and (torch.is_tensor(factor) or factor != 1.0):
+        torch._foreach_mul_(tensors, factor)
+    if clip_value is not None and tensors:
+        torch._foreach_clamp_min_(tensors, -clip_value)
+        torch._foreach_clamp_max_(tensors, clip_value)
+
+
+def _make_offload(shards: list[ParamShard], config: ZeroConfig):
+    from lightning_zero.offload.host import HostOffload
+
+    offload = config.offload
+    return HostOffload(shards, config.stage, config.comm.bucket_bytes, params_on_host=offload.offload_params == "cpu")
 
 
 def _load_state_dict_hooks(module: nn.Module, shards: list[ParamShard]) -> list:
@@ -395,7 +433,8 @@ def _stage3_shards(
             shape = param.shape
             rows = ShardSpec(shape, comms.rank, comms.world_size).local_view(param.detach()).clone()
         local = rows.float() if param in cast else rows
-        shard = ParamShard(clean_name(name), param, ShardSpec(shape, comms.rank, comms.world_size), local, param.dtype)
+        spec = ShardSpec(shape, comms.rank, comms.world_size)
+        shard = ParamShard(clean_name(name), param, spec, local, param.dtype, param.device)
         shard.to_sharded()
         shards.append(shard)
     return shards

@@ -1,0 +1,154 @@
+"""Optimizer offload (``offload_optimizer="cpu"``) and stage-3 parameter offload (``offload_params="cpu"``) against the
+same stage without offload, every step, 2 ranks; where each model state lives, against ZeRO-Offload's figures; and
+checkpoints that move between offloaded and in-device runs."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+
+from lightning_zero import ZeroStrategy
+from tests.harness import run_on_ranks
+from tests.models import ParityModel, Recorder, StepSeededLM, make_trainer
+
+STAGES = (1, 2, 3)
+OFFLOADS = {
+    "cpu": {"offload_optimizer": "cpu"},
+    "cpu+params": {"offload_optimizer": "cpu", "offload_params": "cpu"},
+}
+# Offload steps with torch's fused CPU kernels, the in-device run with foreach ones: they round differently.
+RTOL, ATOL = 1e-5, 1e-6
+MIXED_RTOL = 3e-3
+
+
+def _cases():
+    for stage in STAGES:
+        for offload in OFFLOADS:
+            if offload == "cpu+params" and stage != 3:
+                continue
+            for optimizer in ("adamw", "sgd"):
+                yield stage, offload, optimizer
+
+
+class Placement(pl.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 2:
+            self.held = trainer.strategy.model_state_bytes()
+            self.fused = [g.get("fused") for g in optimizer.param_groups]
+
+
+def _fit(strategy, world_size, optimizer="adamw", precision="32-true", callbacks=(), steps=6):
+    pl.seed_everything(3, verbose=False)
+    recorder = Recorder()
+    trainer = make_trainer(strategy, world_size, max_steps=steps, callbacks=[*callbacks, recorder], precision=precision)
+    trainer.fit(ParityModel(optimizer, d_model=32))
+    return recorder
+
+
+def _run(rank: int, world_size: int, root: Path) -> dict:
+    out = {}
+    for stage, offload, optimizer in _cases():
+        base = _fit(ZeroStrategy(stage=stage), world_size, optimizer)
+        got = _fit(ZeroStrategy(stage=stage, **OFFLOADS[offload]), world_size, optimizer)
+        out["fp32", stage, offload, optimizer] = (base.params, got.params)
+    for stage in STAGES:
+        base = _fit(ZeroStrategy(stage=stage), world_size, precision="bf16-mixed", steps=10)
+        got = _fit(ZeroStrategy(stage=stage, offload_optimizer="cpu"), world_size, precision="bf16-mixed", steps=10)
+        out["bf16", stage] = (base.losses, got.losses)
+    for stage, options in ((2, OFFLOADS["cpu"]), (3, OFFLOADS["cpu"]), (3, OFFLOADS["cpu+params"])):
+        placement = Placement()
+        _fit(ZeroStrategy(stage=stage, **options), world_size, precision="bf16-mixed", callbacks=[placement], steps=3)
+        out["placement", stage, len(options)] = (placement.held, placement.fused)
+    out["resume"] = _resume(world_size, root)
+    return out
+
+
+def _resume(world_size: int, root: Path) -> dict:
+    """Saved with offload, resumed without (and the reverse): the same as an uninterrupted run."""
+    def fit(strategy, steps, ckpt=None):
+        pl.seed_everything(5, verbose=False)
+        recorder = Recorder()
+        trainer = make_trainer(strategy, world_size, max_steps=steps, callbacks=[recorder])
+        trainer.fit(StepSeededLM(), ckpt_path=ckpt)
+        return trainer, recorder
+
+    out = {}
+    _, whole = fit(ZeroStrategy(stage=3), 8)
+    for name, first, second in (
+        ("offload->plain", {"offload_optimizer": "cpu", "offload_params": "cpu"}, {}),
+        ("plain->offload", {}, {"offload_optimizer": "cpu"}),
+    ):
+        trainer, _ = fit(ZeroStrategy(stage=3, **first), 4)
+        trainer.save_checkpoint(root / f"{name}.ckpt")
+        _, resumed = fit(ZeroStrategy(stage=3 if not second else 2, **second), 8, root / f"{name}.ckpt")
+        out[name] = (whole.params[4:], resumed.params)
+    return out
+
+
+@lru_cache(maxsize=None)
+def results(root: str) -> list[dict]:
+    return run_on_ranks(lambda r, w: _run(r, w, Path(root)), 2)
+
+
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory) -> list[dict]:
+    return results(str(tmp_path_factory.mktemp("offload")))
+
+
+@pytest.mark.parametrize("stage,offload,optimizer", list(_cases()))
+def test_fp32_offload_matches_the_same_stage_every_step(per_rank, stage, offload, optimizer) -> None:
+    for rank in per_rank:
+        base, got = rank["fp32", stage, offload, optimizer]
+        assert len(got) == len(base) == 6
+        for step, (a, b) in enumerate(zip(got, base)):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step}: {m}")
+        assert not torch.equal(got[0], got[-1])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_mixed_offload_tracks_the_same_stage(per_rank, stage: int) -> None:
+    for rank in per_rank:
+        base, got = (np.array(x) for x in rank["bf16", stage])
+        assert len(got) == 10 and np.max(np.abs(got - base) / np.abs(base)) < MIXED_RTOL
+
+
+def _psi() -> int:
+    return sum(p.numel() for p in ParityModel("adamw", d_model=32).parameters())
+
+
+@pytest.mark.parametrize(
+    "stage,options,device_per_psi,host_per_psi",
+    [
+        # ZeRO-Offload stage 2: bf16 parameters 2Ψ and gradient shards 2Ψ/N on the device; fp32 masters and Adam's
+        # two moments, 12Ψ/N, on the host.
+        (2, 1, lambda n: 2 + 2 / n, lambda n: 12 / n),
+        # Stage 3: bf16 parameter shards and gradient shards on the device.
+        (3, 1, lambda n: 4 / n, lambda n: 12 / n),
+        # Stage 3 with the parameter shards on the host too: only the gradient shards stay.
+        (3, 2, lambda n: 2 / n, lambda n: 14 / n),
+    ],
+    ids=["zero2-optimizer", "zero3-optimizer", "zero3-optimizer-params"],
+)
+def test_each_state_lives_where_zero_offload_puts_it(per_rank, stage, options, device_per_psi, host_per_psi) -> None:
+    psi, n = _psi(), 2
+    for rank in per_rank:
+        held, fused = rank["placement", stage, options]
+        # Padding rows and Adam's per-parameter step counters are the only extra bytes.
+        assert held.device == pytest.approx(device_per_psi(n) * psi, rel=0.05)
+        assert held.host == pytest.approx(host_per_psi(n) * psi, rel=0.05)
+        assert held.disk == 0
+        assert fused == [True]  # torch's fused CPU AdamW steps on the host
+
+
+@pytest.mark.parametrize("direction", ["offload->plain", "plain->offload"])
+def test_checkpoints_move_between_offloaded_and_in_device_runs(per_rank, direction: str) -> None:
+    for rank in per_rank:
+        want, got = rank["resume"][direction]
+        assert len(got) == len(want) == 4
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
