@@ -23,7 +23,9 @@ class HFModelConfig:
     model_type: a ``transformers`` model type with a causal-LM head, e.g. ``"llama"``, ``"gpt2"``, ``"qwen2"``.
     config: fields of that model type's config (``vocab_size``, ``hidden_size``, ...); the rest keep their defaults.
     pretrained: a local directory holding a saved model (``save_pretrained``) to fine-tune from; its own config
-        is used and ``model_type``/``config`` are ignored.
+        is used and ``model_type``/``config`` are ignored. ZeRO stage 3 builds the model on the meta device, where
+        only the architecture is built and the checkpoint's weights are never loaded, so stage 3 refuses it at
+        setup: fine-tune it with stage 1 or 2.
     """
 
     model_type: str = "llama"
