@@ -141,6 +141,11 @@ class OffloadConfig:
             if value is not None and value not in OFFLOAD_TARGETS:
                 allowed = ", ".join(repr(v) for v in (None, *OFFLOAD_TARGETS))
                 raise ZeroConfigError(f"{name}={value!r} is invalid: allowed values are {allowed}")
+        if self.offload_params == "disk" and self.offload_optimizer != "disk":
+            raise ZeroConfigError(
+                f"offload_params='disk' needs offload_optimizer='disk' (got {self.offload_optimizer!r}): parameter "
+                "shards go to disk only with the optimizer states they are updated from"
+            )
         if self.offload_params is not None and self.offload_optimizer is None:
             raise ZeroConfigError(
                 f"offload_params={self.offload_params!r} needs offload_optimizer too: the fp32 masters would otherwise "

@@ -42,14 +42,14 @@ def model_state_bytes(
     extra_grads: Iterable[torch.Tensor] = (),
     extra_optimizer: Iterable[torch.Tensor] = (),
     host: Iterable[torch.Tensor] = (),
-    disk: int = 0,
+    disk: Iterable[torch.Tensor] = (),
 ) -> ModelStateBytes:
     """Bytes of the parameters of ``module``, their gradients and the ``optimizers``' states.
 
     The ``extra_*`` tensors are model state held outside the module and the optimizers' ``state`` (a sharding
     strategy's standalone parameter shards, gradient shard storage, fp32 master copies, which count as optimizer
-    state as in the ZeRO paper's accounting). ``host`` names the counted tensors that live on the host (offload);
-    ``disk`` is the bytes of model state held in files (counted in the kinds too).
+    state as in the ZeRO paper's accounting). ``host`` and ``disk`` name the counted tensors that live on the host
+    and in files (offload).
     """
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     params = list(module.parameters()) + list(extra_params)
@@ -58,8 +58,9 @@ def model_state_bytes(
     seen: set[tuple[torch.device, int]] = set()
     optimizer = _storage_bytes(states, seen)  # first: a stage-3 parameter between uses holds its fp32 master
     params_bytes, grads_bytes = _storage_bytes(params, seen), _storage_bytes(grads, seen)
-    on_host = _storage_bytes(host, set())
-    return ModelStateBytes(params_bytes, grads_bytes, optimizer + disk, host=on_host, disk=disk)
+    return ModelStateBytes(
+        params_bytes, grads_bytes, optimizer, host=_storage_bytes(host, set()), disk=_storage_bytes(disk, set())
+    )
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[torch.device, int]]) -> int:

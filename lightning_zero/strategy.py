@@ -166,7 +166,9 @@ class ZeroStrategy(DDPStrategy):
         self.model_to_device()
         sync_module_states(self.model, comms)
         previous = self._runtime
-        self._runtime = ZeroRuntime(self.model, self.config, comms, self.precision_plugin.working_dtype, materialized)
+        self._runtime = ZeroRuntime(
+            self.model, self.config, comms, self.precision_plugin.working_dtype, materialized, self.num_processes
+        )
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:

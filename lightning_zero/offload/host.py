@@ -92,8 +92,10 @@ class HostOffload:
         """Steps 1-3 of [Note: one offloaded step] for the shards of ``sharded`` that have a reduced gradient."""
         arrived = self._fetch_grads(stepped)
         output = None
-        for group in self.groups(stepped):
-            with self.resident(group):
+        groups = list(self.groups(stepped))
+        self._begin(sharded, groups)
+        for index, group in enumerate(groups):
+            with self.resident(index):
                 arrived.wait()
                 grads = [self._grad_staging[s].float() for s in group]
                 if factor != 1.0:
@@ -120,10 +122,21 @@ class HostOffload:
         if group:
             yield group
 
+    def _begin(self, sharded: ShardedOptimizer, groups: list[list[ParamShard]]) -> None:
+        """Before the groups of a step are walked (disk offload starts reading ahead)."""
+
     @contextmanager
-    def resident(self, group: list[ParamShard]) -> Iterator[None]:
-        """The masters and optimizer states of ``group`` are in host memory while inside (always, here)."""
+    def resident(self, index: int) -> Iterator[None]:
+        """Group ``index``'s masters and optimizer states are in host memory while inside (always, here)."""
         yield
+
+    @contextmanager
+    def staged(self, shards: list[ParamShard]) -> Iterator[None]:
+        """While a unit's all-gather packs ``shards``' working rows (host memory: nothing to do)."""
+        yield
+
+    def close(self, optimizers: tuple[torch.optim.Optimizer, ...] = ()) -> None:
+        """Nothing to remove."""
 
     def _fetch_grads(self, shards: list[ParamShard]) -> _Arrival:
         """Start copying every gradient shard to a pinned host buffer (step 1)."""

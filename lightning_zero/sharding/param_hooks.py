@@ -79,6 +79,8 @@ class Unit:
         self.shards = list(shards)
         self.comms = comms
         self.announce = announce
+        #: Context around packing the shards for a gather (disk offload pages parameter shards in and out).
+        self.staged = _nothing
         self.gather_buckets = make_buckets(self.shards, _NO_LIMIT)
         self.state = UnitState.SHARDED
         #: In state BACKWARD: the shards whose gradient has not been accumulated yet, and "inputs" once per forward
@@ -100,7 +102,8 @@ class Unit:
             return
         if self.gather_buckets:
             self.announce("gather", self)
-        self._pending = [(bucket, self.comms.all_gather(bucket)) for bucket in self.gather_buckets]
+        with self.staged(self.shards):
+            self._pending = [(bucket, self.comms.all_gather(bucket)) for bucket in self.gather_buckets]
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -169,6 +172,11 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: Tensor):
         ctx.callback()
         return (None, *grads)
+
+
+@contextmanager
+def _nothing(*_args: object) -> Iterator[None]:
+    yield
 
 
 def _in_backward() -> bool:

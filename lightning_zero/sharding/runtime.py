@@ -52,6 +52,7 @@ class ZeroRuntime:
 
     ``working_dtype`` (mixed precision) makes floating-point fp32 parameters 16-bit and their optimizer shards fp32
     masters (BatchNorm's stay fp32: ``F.batch_norm`` needs its weight in the running statistics' dtype).
+    ``host_ranks``: ranks on this machine (sharing its host memory and disk), for disk offload's space check.
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class ZeroRuntime:
         comms: Collectives,
         working_dtype: torch.dtype | None = None,
         materialized: Materialized | None = None,
+        host_ranks: int = 1,
     ) -> None:
         self.module = module
         self.config = config
@@ -80,11 +82,14 @@ class ZeroRuntime:
                         shard.param.data = shard.param.data.to(working_dtype)
                 shard.mark_written()
         self.shard_of = {s.param: s for s in self.shards}
-        self.offload = _make_offload(self.shards, config) if config.offload.offload_optimizer else None
+        self.offload = _make_offload(self.shards, config, comms, host_ranks) if config.offload.offload_optimizer else None
         self._module_hooks = _load_state_dict_hooks(module, self.shards)
         self._evaluation_hold = ExitStack()
         if config.stage == 3:
             self.parameters = self.gradients = self._sharded_params()
+            if self.offload is not None:
+                for unit in self.parameters.all_units:
+                    unit.staged = self.offload.staged
         else:
             self.parameters = ReplicatedParams(comms, config.comm)
             self.gradients = GradReducer(self.shards, comms, config.comm, keep_full_grads=config.stage == 1)
@@ -268,6 +273,8 @@ class ZeroRuntime:
         master once offloaded), gradient shard storage, and which of them live on the host."""
         offloaded = self.offload is not None
         masters = [s.local for s in self.shards if offloaded or s.local.dtype != s.dtype]
+        optimizers = [o.optimizer for o in self.optimizers.values()]
+        disk = self.offload.disk_tensors(optimizers) if hasattr(self.offload, "disk_tensors") else []
         locals_ = [s.gather_source for s in self.shards if not offloaded and s.local.dtype == s.dtype]
         working = [s.working for s in self.shards if offloaded and s.working is not None]
         host = list(masters) if offloaded else []
@@ -276,8 +283,10 @@ class ZeroRuntime:
                      if torch.is_tensor(v)]
             host += [s.working for s in self.shards if s.working is not None and s.working.device.type == "cpu" and
                      self.config.offload.offload_params]
+        on_disk = {t.untyped_storage().data_ptr() for t in disk}
+        host = [t for t in host if t.untyped_storage().data_ptr() not in on_disk]
         return {"extra_params": locals_ + working, "extra_grads": self.gradients.grad_buffers(),
-                "extra_optimizer": masters, "host": host}
+                "extra_optimizer": masters, "host": host, "disk": disk}
 
     def refresh_full_parameters(self) -> None:
         """After the shards were loaded: offloaded masters are copied where the gathers read them; stages 1 and 2
@@ -326,7 +335,10 @@ class ZeroRuntime:
         self.parameters.remove()
         for hook in self._module_hooks:
             hook.remove()
+        optimizers = tuple(o.optimizer for o in self.optimizers.values())
         if not gather:
+            if self.offload is not None:
+                self.offload.close(optimizers)
             return
         replaced = [s for s in self.shards if s.local.dtype != s.dtype or s.sharded]
         for dtype in {s.local.dtype for s in replaced}:
@@ -338,6 +350,8 @@ class ZeroRuntime:
                 bucket.unpack(gathered, [s.param for s in bucket.shards])
                 for shard in bucket.shards:
                     shard.param.data = shard.param.data.to(device)
+        if self.offload is not None:
+            self.offload.close(optimizers)
 
 
 def _scale_(grads: list[tuple[ParamShard, Tensor]], factor: Tensor | float, clip_value: float | None) -> None:
@@ -349,11 +363,32 @@ def _scale_(grads: list[tuple[ParamShard, Tensor]], factor: Tensor | float, clip
         torch._foreach_clamp_max_(tensors, clip_value)
 
 
-def _make_offload(shards: list[ParamShard], config: ZeroConfig):
+def _make_offload(shards: list[ParamShard], config: ZeroConfig, comms: Collectives, host_ranks: int):
+    """The host or disk offload of ``config``; a disk that cannot hold the states fails on every rank at once."""
+    from lightning_zero.offload.disk import DiskOffload, OffloadDiskError, private_directory
     from lightning_zero.offload.host import HostOffload
 
     offload = config.offload
-    return HostOffload(shards, config.stage, config.comm.bucket_bytes, params_on_host=offload.offload_params == "cpu")
+    if not offload.on_disk:
+        return HostOffload(shards, config.stage, config.comm.bucket_bytes, offload.offload_params == "cpu")
+    params_on_disk = offload.offload_params == "disk"
+    # fp32 masters and, as for Adam, two fp32 moments per element; the parameter shards too when they go to disk.
+    needed = sum(s.spec.local_numel * (12 + (s.dtype.itemsize if params_on_disk else 0)) for s in shards)
+    failure: OffloadDiskError | None = None
+    result = None
+    try:
+        directory = private_directory(offload.offload_dir, comms.rank, needed, host_ranks)
+        result = DiskOffload(shards, config.stage, offload.subgroup_bytes, directory,
+                             offload.offload_resident_subgroups, params_on_disk)
+    except OffloadDiskError as err:
+        failure = err
+    failed = torch.tensor([float(failure is not None)], device=comms.device)
+    comms.all_reduce_(failed, "the disk offload set-up flags", op="max")
+    if failed.item():
+        if result is not None:
+            result.close()
+        raise failure or OffloadDiskError("disk offload could not be set up on another rank (its error says why)")
+    return result
 
 
 def _load_state_dict_hooks(module: nn.Module, shards: list[ParamShard]) -> list:
