@@ -25,16 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_zero import config
+
 #: The options in order of complexity; ``recommend`` returns the first that fits.
 OPTIONS = ("ddp", "zero1", "zero2", "zero3")
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-
-#: Bytes per element of (parameter, gradient, optimizer state) per precision ([Note: what the memory model counts]).
-_BYTES_PER_ELEMENT = {
-    "32-true": (4, 4, 8),
-    "bf16-mixed": (2, 2, 12),
-    "16-mixed": (2, 2, 12),
-}
+#: The precision flags ZeroStrategy supports (``config.PRECISIONS``), each modelled from its working dtype.
+PRECISIONS = tuple(config.PRECISIONS)
 #: Which kinds each option shards: (parameters, gradients, optimizer state).
 _SHARDED_KINDS = {
     "ddp": (False, False, False),
@@ -109,9 +105,9 @@ def estimate(
     _check_choice("option", option, OPTIONS)
     _check_choice("precision", precision, PRECISIONS)
     trainable = _check_counts(num_params, ranks, trainable_params)
-    if not bucket_mb >= 0:
-        raise EstimateError(f"bucket_mb={bucket_mb!r} is invalid: it must be a number of MiB >= 0")
-    param_b, grad_b, optim_b = _BYTES_PER_ELEMENT[precision]
+    if not 0 <= bucket_mb < math.inf:
+        raise EstimateError(f"bucket_mb={bucket_mb!r} is invalid: it must be a finite number of MiB >= 0")
+    param_b, grad_b, optim_b = _bytes_per_element(precision)
     shard_params, shard_grads, shard_optim = _SHARDED_KINDS[option]
     return MemoryEstimate(
         option=option,
@@ -199,6 +195,15 @@ def format_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def _bytes_per_element(precision: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer state) bytes per element (see [Note: what the memory model counts])."""
+    working = config.PRECISIONS[precision]
+    if working is None:
+        return 4, 4, 8  # one fp32 copy; the two Adam moments
+    # 16-bit working parameters and gradients; fp32 master weights and the two moments in the optimizer state.
+    return working.itemsize, working.itemsize, 12
 
 
 def _elements_per_rank(elements: int, ranks: int, sharded: bool) -> int:

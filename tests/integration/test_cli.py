@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zero.cli import CONF_DIR, main
+from lightning_zero import config, estimate
+from lightning_zero.cli import CONF_DIR, RECIPES_DIR, main
+from lightning_zero.cli.train import _check_precision
 from lightning_zero.models import GPTConfig
 from lightning_zero.monitor import MonitorSummary
 
@@ -127,12 +129,18 @@ def test_command_line_launches_ranks_with_popen_into_one_output_directory(tmp_pa
 
 # ------------------------------------------------------------------------------------------------------- recipes
 
-RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def test_recipes_are_linked_at_the_repository_root():
-    assert sorted(p.stem for p in (REPO / "recipes").glob("*.yaml")) == RECIPES
-    assert (REPO / "conf" / "config.yaml").is_file()
+def test_the_repository_root_holds_the_config_tree_the_command_offers(capfd):
+    # conf/ and recipes/ are real folders at the root (the wheel maps them into the package), not links to it.
+    for folder in ("conf", "recipes"):
+        assert (REPO / folder).is_dir() and not (REPO / folder).is_symlink()
+    assert not (REPO / "lightning_zero" / "conf").exists()
+    assert (CONF_DIR, RECIPES_DIR) == (REPO / "conf", REPO / "recipes")
+    assert main(["train", "--help"]) == 0
+    offered = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("recipe: "))
+    assert offered == "recipe: " + ", ".join(sorted(p.stem for p in (REPO / "recipes").glob("*.yaml")))
 
 
 @pytest.mark.parametrize(
@@ -146,9 +154,9 @@ def test_recipes_are_linked_at_the_repository_root():
 def test_recipe_composes(recipe, strategy, model):
     from hydra import compose, initialize_config_dir
 
-    from lightning_zero.cli import _register_resolvers
+    from lightning_zero.cli import register_configs
 
-    _register_resolvers()
+    register_configs()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"recipe={recipe}"])
     assert cfg.strategy.stage == strategy
@@ -197,6 +205,7 @@ BAD_INPUT = [
     ("strategy.bucket_mb=0", "strategy.bucket_mb=0 is invalid: it must be a number of MiB > 0"),
     ("strategy.bucket_mb=-1", "strategy.bucket_mb=-1 is invalid: it must be a number of MiB > 0"),
     ("trainer.precision=fp17", "trainer.precision='fp17' is invalid: allowed values are 32-true, bf16-mixed, 16-mixed"),
+    ("trainer.precision=bf16-true", "trainer.precision='bf16-true' is invalid: allowed values are 32-true"),
     ("strategy=zero5", "strategy=zero5 is not an option: allowed values are auto, ddp, zero1, zero2, zero3"),
     ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_llama"),
     ("recipe=nope", "recipe=nope is not an option: allowed values are gpt_large_zero3, gpt_small_zero3"),
@@ -284,8 +293,31 @@ def test_estimate_says_when_nothing_fits(capfd):
         (["--params", "7B", "--ranks", "0"], "ranks=0 is invalid: it must be an integer >= 1"),
         (["--model", "nope"], "model=nope is not an option: allowed values are gpt_large, gpt_small, gpt_tiny"),
         (["--params", "7B", "--budget-gb", "0"], "--budget-gb=0.0 is invalid: it must be a number of GiB > 0"),
+        (["--params", "7B", "--budget-gb", "1e-12"], "--budget-gb=1e-12 is invalid: it must be at least one byte"),
+        (["--params", "7B", "--bucket-mb", "inf"], "bucket_mb=inf is invalid: it must be a finite number of MiB >= 0"),
     ],
 )
 def test_estimate_bad_input(capfd, args, message):
     assert main(["estimate", *args]) == 2
     assert capfd.readouterr().err.strip().startswith(f"lightning-zero estimate: error: {message}")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-2", "0"])
+def test_estimate_refuses_a_budget_that_is_not_a_finite_positive_number(capfd, value):
+    assert main(["estimate", "--params", "7B", "--budget-gb", value]) == 2
+    assert capfd.readouterr().err == (  # one line, no traceback
+        f"lightning-zero estimate: error: --budget-gb={float(value)} is invalid: it must be a number of GiB > 0 and "
+        "finite\n"
+    )
+
+
+def test_precisions_and_dtype_names_are_the_configs(capfd):
+    # One list of supported precisions and one map of dtype names (lightning_zero.config), wherever the CLI asks.
+    for command, names in (("estimate", config.PRECISIONS), ("consolidate", config.DTYPES)):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "{" + ",".join(names) + "}" in capfd.readouterr().out
+    assert estimate.PRECISIONS == tuple(config.PRECISIONS) == ("32-true", "bf16-mixed", "16-mixed")
+    assert [_check_precision(flag) for flag in ("bf16", "16", 32, "16-mixed")] == [
+        "bf16-mixed", "16-mixed", "32-true", "16-mixed"
+    ]

@@ -131,6 +131,7 @@ def test_parse_count(text, count):
         (lambda: estimate.estimate("zero2", 0, 4), "num_params=0 is invalid"),
         (lambda: estimate.estimate("zero2", PSI, 4, trainable_params=PSI + 1), "trainable_params=1001 is invalid"),
         (lambda: estimate.recommend(PSI, 4, 0), "budget_bytes=0 is invalid"),
+        (lambda: estimate.estimate("zero2", PSI, 4, bucket_mb=float("inf")), "bucket_mb=inf is invalid: it must be"),
         (lambda: estimate.parse_count("7Q"), "params='7Q' is invalid"),
         (lambda: estimate.parse_count("0"), "params='0' is invalid"),
     ],

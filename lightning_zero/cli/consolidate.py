@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_zero.cli.errors import UsageError
+from lightning_zero.config import DTYPES
+
 
 def add_consolidate(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
@@ -15,7 +18,7 @@ def add_consolidate(subcommands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("checkpoint", help="a checkpoint directory written by ZeroStrategy")
     parser.add_argument("out", help="the file to write (.safetensors, .ckpt, .pt)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="cast weights (default: as stored)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="cast weights (default: as stored)")
     parser.add_argument("--strip-prefix", default="", help="drop this prefix from every key (e.g. 'model.')")
     parser.add_argument(
         "--training-state",
@@ -26,12 +29,9 @@ def add_consolidate(subcommands: argparse._SubParsersAction) -> None:
 
 
 def consolidate_command(args: argparse.Namespace) -> int:
-    import torch
-
     from lightning_zero.checkpoint import CheckpointError, consolidate
-    from lightning_zero.cli import UsageError
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    dtype = DTYPES[args.dtype] if args.dtype is not None else None
     try:
         keys = consolidate(args.checkpoint, args.out, dtype, args.strip_prefix, args.training_state)
     except (CheckpointError, ValueError) as err:

@@ -1,0 +1,180 @@
+"""``strategy=auto``: the least complex of ddp < zero1 < zero2 < zero3 whose model states fit the run's devices.
+
+The choice is ``estimate.recommend``'s (see [Note: what the memory model counts]) against a per-device budget: on CPU
+``AutoStrategy.budget_gb``, on CUDA the free memory of the run's devices, less ``reserve_gb`` either way. Hydra builds
+``AutoStrategy`` for ``strategy=auto`` (conf/strategy/auto.yaml); the command then calls ``choose`` and ``build``.
+
+[Note: strategy=auto across ranks]
+Ranks started by re-running the command (Lightning's ``popen`` launcher) would each measure free memory again and
+could choose differently from the launching process, which would hang the first collective. So the launching process
+chooses, and publishes its choice in the environment its ranks inherit (``shared_with_ranks``); ``choose`` in a rank
+finds it there (``AUTO_ENV``) and takes it as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_zero import estimate
+from lightning_zero.config import SUPPORTED_STAGES
+
+if TYPE_CHECKING:
+    from lightning_zero.models.language_model import ParameterCounts
+
+#: The environment variable that carries the launching process's choice to re-run ranks.
+AUTO_ENV = "LIGHTNING_ZERO_AUTO_STRATEGY"
+
+
+class AutoStrategyError(ValueError):
+    """``strategy=auto`` cannot choose; the message names the field or says what does not fit."""
+
+
+@dataclass(frozen=True)
+class AutoStrategy:
+    """``strategy=auto``: the least complex option whose model states fit each device (``estimate.recommend``).
+
+    Args:
+        budget_gb: per-device budget in GiB when running on CPU. On CUDA the free memory of the run's devices is used.
+        reserve_gb: GiB kept for activations and workspace, subtracted from the budget on CPU and CUDA alike.
+        bucket_mb, start_method: passed to the chosen strategy.
+    """
+
+    budget_gb: float = 4.0
+    reserve_gb: float = 0.0
+    bucket_mb: float = 25.0
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        _check_amount("budget_gb", self.budget_gb, "GiB", zero_allowed=False)
+        _check_amount("reserve_gb", self.reserve_gb, "GiB", zero_allowed=True)
+        _check_amount("bucket_mb", self.bucket_mb, "MiB", zero_allowed=False)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The option ``strategy=auto`` runs, and why (``reason`` is None when a re-run rank took it from its parent)."""
+
+    option: str
+    reason: str | None
+
+
+def choose(
+    auto: AutoStrategy,
+    counts: ParameterCounts | None,
+    precision: str,
+    accelerator: str = "auto",
+    devices: Any = "auto",
+    num_nodes: int = 1,
+) -> AutoChoice:
+    """The option ``estimate.recommend`` picks for a model of ``counts`` parameters on the run's devices.
+
+    ``accelerator``, ``devices`` and ``num_nodes`` are the run's ``Trainer`` arguments. A re-run rank takes the
+    launching process's choice (see [Note: strategy=auto across ranks]).
+    """
+    inherited = os.environ.get(AUTO_ENV)
+    if inherited is not None:
+        return AutoChoice(inherited, None)
+    if counts is None:
+        raise AutoStrategyError(
+            "strategy=auto needs the model's parameter count: the model has no parameter_counts()"
+        )
+    if precision not in estimate.PRECISIONS:
+        raise AutoStrategyError(
+            f"trainer.precision={precision!r} is not supported by strategy=auto: "
+            f"allowed values are {', '.join(estimate.PRECISIONS)}"
+        )
+    indexes = run_devices(accelerator, devices)
+    budget = device_budget(auto, accelerator, indexes)
+    recommendation = estimate.recommend(
+        counts.total,
+        len(indexes) * int(num_nodes),
+        budget,
+        precision,
+        auto.bucket_mb,
+        counts.trainable,
+        options=available_options(),
+    )
+    if recommendation.choice is None:
+        raise AutoStrategyError(f"strategy=auto: {recommendation.explain()}")
+    return AutoChoice(recommendation.choice, recommendation.explain())
+
+
+def build(option: str, auto: AutoStrategy) -> Any:
+    """The Lightning strategy for a chosen option, with ``auto``'s bucket size and start method."""
+    if option == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(start_method=auto.start_method)
+    from lightning_zero import ZeroStrategy
+
+    stage = int(option.removeprefix("zero"))
+    return ZeroStrategy(stage=stage, bucket_mb=auto.bucket_mb, start_method=auto.start_method)
+
+
+def available_options() -> tuple[str, ...]:
+    """``ddp`` and the ZeRO stages, least complex first."""
+    return ("ddp", *(f"zero{s}" for s in sorted(SUPPORTED_STAGES)))
+
+
+@contextmanager
+def shared_with_ranks(choice: AutoChoice | None) -> Iterator[None]:
+    """Publish the launching process's choice to the ranks it starts (see [Note: strategy=auto across ranks])."""
+    if choice is None or AUTO_ENV in os.environ:
+        yield
+        return
+    os.environ[AUTO_ENV] = choice.option
+    try:
+        yield
+    finally:
+        del os.environ[AUTO_ENV]
+
+
+def run_devices(accelerator: str, devices: Any) -> list[int]:
+    """Indexes of the devices of one node the run will use."""
+    import torch
+
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        return [int(d) for d in devices]
+    if str(devices) in ("auto", "-1"):
+        return list(range(torch.cuda.device_count())) if _on_cuda(accelerator) else [0]
+    return list(range(int(devices)))
+
+
+def device_budget(auto: AutoStrategy, accelerator: str, devices: list[int]) -> int:
+    """Bytes of model states one device may hold: the CPU budget or the least free CUDA memory, less the reserve."""
+    budget = min(cuda_free_bytes(d) for d in devices) if _on_cuda(accelerator) else auto.budget_gb * 2**30
+    budget -= auto.reserve_gb * 2**30
+    if budget <= 0:
+        raise AutoStrategyError(
+            f"strategy.reserve_gb={auto.reserve_gb} is invalid: it leaves no memory for model states"
+        )
+    return int(budget)
+
+
+def cuda_free_bytes(device: int) -> int:
+    import torch
+
+    # NVML reads the usage without creating a CUDA context on every device in this (rank-0) process.
+    total = torch.cuda.get_device_properties(device).total_memory
+    try:
+        return total - torch.cuda.device_memory_used(device)
+    except Exception:  # no NVML: fall back to the CUDA runtime
+        return torch.cuda.mem_get_info(device)[0]
+
+
+def _on_cuda(accelerator: str) -> bool:
+    import torch
+
+    return accelerator in ("cuda", "gpu") or accelerator == "auto" and torch.cuda.is_available()
+
+
+def _check_amount(field: str, value: Any, unit: str, zero_allowed: bool) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not is_number or value < 0 or value == 0 and not zero_allowed:
+        bound = ">= 0" if zero_allowed else "> 0"
+        raise AutoStrategyError(f"{field}={value!r} is invalid: it must be a finite number of {unit} {bound}")

@@ -1,0 +1,92 @@
+"""``lightning-zero estimate``: the memory model of ``lightning_zero.estimate`` for a parameter count, a model config
+or a recipe, and the least complex option that fits a per-device budget."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from lightning_zero import estimate
+from lightning_zero.cli.compose import compose, instantiate
+from lightning_zero.cli.errors import UsageError
+
+
+def add_estimate(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "estimate",
+        help="model-state memory per rank for ddp and zero1/2/3, and the least complex option that fits",
+        description="Model-state bytes per rank (parameters, gradients, Adam states; activations not included) for "
+        "ddp and ZeRO stages 1-3, and the least complex option that fits a per-device budget.",
+    )
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", help="parameter count, e.g. 350000, 125M, 1.3B, 7e9")
+    size.add_argument("--model", help="a model config of conf/model (e.g. gpt_small, gpt_large, hf_llama)")
+    size.add_argument("--recipe", help="the model of a recipe of recipes/ (e.g. gpt_large_zero3)")
+    parser.add_argument("--trainable", help="trainable parameter count when some are frozen (default: all)")
+    parser.add_argument("--ranks", type=int, default=None, help="data-parallel ranks (default: GPUs, else 2)")
+    parser.add_argument("--precision", default="32-true", choices=estimate.PRECISIONS)
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="ZeRO bucket size in MiB (default: 25)")
+    parser.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="per-device budget in GiB (2^30 bytes); default: the free memory of GPU 0 when there is one",
+    )
+    parser.set_defaults(run=estimate_command)
+
+
+def estimate_command(args: argparse.Namespace) -> int:
+    total, trainable, what = _estimate_size(args)
+    ranks = args.ranks if args.ranks is not None else _default_ranks()
+    try:
+        if args.trainable is not None:
+            trainable = estimate.parse_count(args.trainable)
+        budget = _estimate_budget(args.budget_gb)
+        estimates = estimate.estimate_all(total, ranks, args.precision, args.bucket_mb, trainable)
+        recommendation = (
+            estimate.recommend(total, ranks, budget, args.precision, args.bucket_mb, trainable)
+            if budget is not None
+            else None
+        )
+    except estimate.EstimateError as err:
+        raise UsageError(str(err)) from None
+    print(estimate.format_table(what, total, trainable, ranks, args.precision, estimates, budget))
+    if recommendation is None:
+        print("\nno budget given (--budget-gb) and no GPU: no recommendation")
+    else:
+        print(f"\nrecommendation: {recommendation.explain()}")
+    return 0
+
+
+def _estimate_size(args: argparse.Namespace) -> tuple[int, int, str]:
+    if args.params is not None:
+        try:
+            count = estimate.parse_count(args.params)
+        except estimate.EstimateError as err:
+            raise UsageError(str(err)) from None
+        return count, count, f"{count:,} parameters"
+    override = f"model={args.model}" if args.model is not None else f"recipe={args.recipe}"
+    counts = instantiate("model", compose([override]).model).parameter_counts()
+    what = f"model {args.model}" if args.model is not None else f"recipe {args.recipe}"
+    return counts.total, counts.trainable, f"{what} ({counts.total:,} parameters)"
+
+
+def _estimate_budget(budget_gb: float | None) -> int | None:
+    import torch
+
+    from lightning_zero.auto import cuda_free_bytes
+
+    if budget_gb is None:
+        return cuda_free_bytes(0) if torch.cuda.is_available() else None
+    # inf would overflow the byte count and nan compares false with everything: both are refused here.
+    if not 0 < budget_gb < math.inf:
+        raise UsageError(f"--budget-gb={budget_gb} is invalid: it must be a number of GiB > 0 and finite")
+    if budget_gb * 2**30 < 1:
+        raise UsageError(f"--budget-gb={budget_gb} is invalid: it must be at least one byte (2^-30 GiB)")
+    return int(budget_gb * 2**30)
+
+
+def _default_ranks() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
