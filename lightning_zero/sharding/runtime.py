@@ -16,9 +16,10 @@ The walk of a zero2 step, from ``training_step`` to the next forward (zero3 diff
    and reduced, then freed, once backward is through it], and ``post_backward`` launches the rest and waits.
    Lightning's ``on_before_optimizer_step`` runs here, and records a clip request.
 2. Update. ``step`` takes each parameter's reduced gradient shard (fp32 copies under mixed precision), agrees
-   across ranks on the global norm with one all-reduce of a sum of squares (only when clipping or loss scaling: a
-   non-finite sum is an fp16 overflow, and the step is skipped on every rank), folds the loss-scale inverse and the
-   clip coefficient into one factor on the device, and runs the user's optimizer on the local shards.
+   across ranks on the global norm with one all-reduce of a sum of squares (unless nothing needs it:
+   ``nonfinite_grads="ignore"``, no clipping by norm, no fp16 loss scaling), folds the loss-scale inverse and the
+   clip coefficient into one factor on the device, and runs the user's optimizer on the local shards. A rank's inf
+   or NaN is seen by every rank through that all-reduce (see [Note: non-finite gradients]).
 3. Gather. The updated shards are all-gathered into the full parameters, bucket by bucket [nothing: each unit is
    gathered when it next runs]. ``end_step`` [frees the root unit].
 """
@@ -30,7 +31,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -42,6 +43,10 @@ from lightning_zero.sharding.optimizer import ShardedOptimizer
 from lightning_zero.sharding.param_hooks import ShardedParams, Unit
 from lightning_zero.sharding.replicated import ReplicatedParams
 from lightning_zero.sharding.units import plan_units
+
+class NonFiniteGradientsError(FloatingPointError):
+    """A rank's gradients held an inf or NaN and ``nonfinite_grads="raise"``; the message names the ranks."""
+
 
 #: Local rows already cut from parameters built on the meta device: full shape and rows (see materialize.py).
 Materialized = dict[nn.Parameter, tuple[torch.Size, Tensor]]
@@ -97,6 +102,8 @@ class ZeroRuntime:
         self.last_grad_norm: Tensor | None = None
         #: Whether ``release`` gave the module its full parameters back (end of fit).
         self.released = False
+        #: Optimizer steps skipped because a rank's gradients held an inf or NaN (``nonfinite_grads="skip"``).
+        self.skipped_steps = 0
 
     def _sharded_params(self) -> ShardedParams:
         root_plan, plans = plan_units(self.module, self.config.stage3.units, self.config.stage3.unit_bytes)
@@ -179,34 +186,54 @@ class ZeroRuntime:
 
     @torch.no_grad()
     def _agree_factor(self, grads: list[Tensor], scaler: Any, clip: tuple[str, float] | None) -> Tensor | float | None:
-        """The factor the gradients are multiplied by (the loss scale's inverse, the clip coefficient), after one
-        all-reduce of their sum of squares when clipping by norm or loss scaling; ``None`` when an fp16 overflow on
-        any rank skips the step (the scaler backs off)."""
+        """The factor the gradients are multiplied by (the loss scale's inverse, the clip coefficient), or ``None``
+        when the step is skipped on every rank; see [Note: non-finite gradients]."""
         inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
         by_norm = clip is not None and clip[0] == "norm"
+        policy = self.config.nonfinite_grads
         factor: Tensor | float = inv_scale
-        if scaler is not None or by_norm:
-            norm = self._global_norm(grads) * inv_scale
-            if scaler is not None:
-                found_inf = (~torch.isfinite(norm)).float()
-                scaler.update_from(found_inf)
-                if found_inf.item():
-                    return None
-            if by_norm:
-                self.last_grad_norm = norm
-                factor = inv_scale * torch.clamp(clip[1] / (norm + 1e-6), max=1.0)
+        if scaler is None and not by_norm and policy == "ignore":
+            return factor
+        norm, failed = self._global_norm(grads)
+        norm = norm * inv_scale
+        if scaler is not None:
+            scaler.update_from((~torch.isfinite(norm)).float())
+        if (scaler is not None or policy != "ignore") and not torch.isfinite(norm).item():
+            if scaler is None:
+                self._on_nonfinite(failed)
+            return None
+        if by_norm:
+            self.last_grad_norm = norm
+            factor = inv_scale * torch.clamp(clip[1] / (norm + 1e-6), max=1.0)
         return factor
 
-    def _global_norm(self, grads: list[Tensor]) -> Tensor:
-        """The L2 norm of every rank's gradient shards together (padding excluded): one all-reduce."""
-        total = torch.zeros((), dtype=torch.float32, device=self.comms.device)
+    def _on_nonfinite(self, failed: Tensor) -> None:
+        """[Note: non-finite gradients] An inf or NaN in any rank's gradients makes the global norm non-finite on
+        every rank at once (one all-reduce carries the sum of squares and which ranks saw one), so every rank takes
+        the same decision: fp16 loss scaling backs off and skips the step (as GradScaler); otherwise
+        ``nonfinite_grads="skip"`` skips it and warns, ``"raise"`` raises, both naming the ranks, and ``"ignore"``
+        (the default, with no check at all) steps as DDP would: the non-finite values spread through the averaged
+        gradients alike on every rank, so the ranks never diverge from one another."""
+        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+        where = f"rank(s) {ranks}" if ranks else "the global norm (its sum of squares overflowed)"
+        message = f"non-finite gradients (inf or NaN) on {where} at this optimizer step"
+        if self.config.nonfinite_grads == "raise":
+            raise NonFiniteGradientsError(message + "; nonfinite_grads='skip' skips such steps instead")
+        self.skipped_steps += 1
+        rank_zero_warn(message + "; the step was skipped on every rank (nonfinite_grads='skip')")
+
+    def _global_norm(self, grads: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """The L2 norm of every rank's gradient shards together (padding excluded), and which ranks' shards hold an
+        inf or NaN: one all-reduce."""
+        stats = torch.zeros(1 + self.comms.world_size, dtype=torch.float32, device=self.comms.device)
         for dtype in {g.dtype for g in grads}:
             group = [g for g in grads if g.dtype == dtype and g.numel() > 0]
             if group:
                 norms = torch._foreach_norm(group, 2, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-                total += torch.stack(norms).float().square().sum().to(total.device)
-        self.comms.all_reduce_(total, "the gradient norm")
-        return total.sqrt()
+                stats[0] += torch.stack(norms).float().square().sum().to(stats.device)
+        stats[1 + self.comms.rank] = (~torch.isfinite(stats[0])).float()
+        self.comms.all_reduce_(stats, "the gradient norm")
+        return stats[0].sqrt(), stats[1:]
 
     def adopt_edits(self) -> None:
         """Parameters changed in place since the shards last wrote them keep their new values (see
