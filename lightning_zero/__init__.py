@@ -9,9 +9,20 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.sharding.collectives import CommStats
+from lightning_zero.sharding.runtime import NonFiniteGradientsError
 from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.watchdog import PeerFailure
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CommStats", "ModelStateBytes", "ZeroConfig", "ZeroConfigError", "ZeroStrategy", "model_state_bytes"]
+__all__ = [
+    "CommStats",
+    "ModelStateBytes",
+    "NonFiniteGradientsError",
+    "PeerFailure",
+    "ZeroConfig",
+    "ZeroConfigError",
+    "ZeroStrategy",
+    "model_state_bytes",
+]
 __version__ = "0.1.0"

@@ -2,7 +2,8 @@
 
 ``ZeroConfig`` composes them: ``CommConfig`` (buckets and gradient reduction, used by the reducers and
 ``collectives.py``), ``Stage3Config`` (units, prefetch and resharding, used by ``param_hooks.py``) and
-``OffloadConfig`` (where optimizer states and parameter shards live, used by ``offload/``). Users never
+``OffloadConfig`` (where optimizer states and parameter shards live, used by ``offload/``) and ``WatchdogConfig`` (how
+fast a failed peer is detected, used by ``watchdog.py``). Users never
 name the components: ``ZeroStrategy(stage=3, prefetch=2)``, the Hydra config and ``ZeroConfig.from_options`` take
 flat option names, each defined once, here, with its default (``option_defaults`` lists them, and the CLI builds the
 Hydra schema of ``strategy=zero*`` from it). Every error names the option, the value it got and what is allowed, so a
@@ -108,6 +109,34 @@ class Stage3Config:
         return max(1, int(self.unit_mb * 2**20))
 
 
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """How a rank learns that a peer failed (``watchdog.py``).
+
+    Args:
+        failure_timeout_s: a peer whose heartbeat has not moved for this many seconds is taken as lost, and this
+            rank fails naming it (a rank that raises or dies is reported at once, whatever this value). ``None``
+            turns the watchdog off: a lost peer then blocks the others until the process group's own timeout
+            (30 minutes by default).
+        heartbeat_s: how often each rank beats and checks its peers (one tiny store request each way).
+    """
+
+    failure_timeout_s: float | None = 300.0
+    heartbeat_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("failure_timeout_s", "heartbeat_s"):
+            value = getattr(self, name)
+            if value is None and name == "failure_timeout_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a number of seconds > 0")
+        if self.failure_timeout_s is not None and self.heartbeat_s >= self.failure_timeout_s:
+            raise ZeroConfigError(
+                f"heartbeat_s={self.heartbeat_s!r} is invalid: it must be below failure_timeout_s={self.failure_timeout_s!r}"
+            )
+
+
 OFFLOAD_TARGETS = ("cpu", "disk")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
@@ -194,6 +223,7 @@ class ZeroConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
@@ -241,7 +271,9 @@ class ZeroConfig:
         return [f.name for f in dataclasses.fields(Stage3Config) if getattr(self.stage3, f.name) != getattr(default, f.name)]
 
 
-_COMPONENTS: dict[str, type] = {"comm": CommConfig, "stage3": Stage3Config, "offload": OffloadConfig}
+_COMPONENTS: dict[str, type] = {
+    "comm": CommConfig, "stage3": Stage3Config, "offload": OffloadConfig, "watchdog": WatchdogConfig,
+}
 
 
 def option_defaults() -> dict[str, Any]:

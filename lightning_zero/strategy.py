@@ -29,12 +29,22 @@ from typing_extensions import override
 
 from lightning_zero import checkpoint as ckpt
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, option_defaults
-from lightning_zero.lightning_compat import apply_activation_checkpointing, install_summary, refuse_unsupported
+from lightning_zero.lightning_compat import (
+    apply_activation_checkpointing,
+    install_summary,
+    refuse_unsupported,
+)
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
+from lightning_zero.replicas import check_replicas
 from lightning_zero.sharding.collectives import Collectives, CommStats
-from lightning_zero.sharding.materialize import has_meta_tensors, materialize_shards, rng_state
+from lightning_zero.sharding.materialize import (
+    has_meta_tensors,
+    materialize_shards,
+    rng_state,
+)
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
+from lightning_zero.watchdog import Watchdog
 
 _START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
 #: Registered offload variants: name suffix -> (stages, options).
@@ -100,6 +110,7 @@ class ZeroStrategy(DDPStrategy):
         self._device_mesh = None
         self._loaded_sharded = False
         self._failed = False
+        self._watchdog: Watchdog | None = None
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -147,6 +158,7 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         refuse_unsupported(trainer, self.model, self.config)
+        self._start_watchdog()
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
@@ -205,6 +217,14 @@ class ZeroStrategy(DDPStrategy):
         """
         with self.runtime.gathered():
             yield
+
+    def check_replicas(self) -> int:
+        """Check that every rank holds the same full parameters (stage 3: as gathered) and floating-point buffers,
+        by exchanging a CRC-32 of each; raise ``ReplicaMismatchError`` on every rank naming the tensors that differ,
+        else return how many were compared. Costs hashing the model on the host (and, under stage 3, one gather of
+        it): a debugging and testing aid, not for every step. Every rank must call it."""
+        with self.gathered_parameters():
+            return check_replicas(self.model, self.runtime.comms)
 
     def grad_norm(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:
         """Use in ``on_before_optimizer_step`` instead of Lightning's ``grad_norm(module, norm_type)``, which sees only
@@ -381,9 +401,25 @@ class ZeroStrategy(DDPStrategy):
 
     # -------------------------------------------------------------------------------------------------- teardown
 
+    def _start_watchdog(self) -> None:
+        """One watchdog per setup (fit, then evaluation, each start one): see [Note: how a rank learns that a peer
+        failed] in watchdog.py."""
+        self._stop_watchdog()
+        cfg = self.config.watchdog
+        self._watchdog = Watchdog.for_process_group(cfg.failure_timeout_s, cfg.heartbeat_s)
+        if self._watchdog is not None:
+            self._watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        if self._watchdog is not None:
+            self._watchdog.on_exception(exception)
         super().on_exception(exception)
 
     @override
@@ -392,15 +428,17 @@ class ZeroStrategy(DDPStrategy):
         (stage 3 gathers them bucket by bucket); keep the sharded optimizers, so that a checkpoint saved after
         ``fit`` is still complete. After an error nothing is gathered (a collective could wait on a rank that is
         not coming), and a model setup left on the meta device stays there: the first error is the one to see."""
-        failed = self._failed
-        if self._runtime is not None and not self._runtime.released:
-            self._runtime.release(torch.device("cpu"), gather=not failed)
-        module = self.lightning_module
-        if module is not None and has_meta_tensors(module):
-            self.precision_plugin.teardown()
-            self.accelerator.teardown()
-            return
-        super().teardown()
+        try:
+            if self._runtime is not None and not self._runtime.released:
+                self._runtime.release(torch.device("cpu"), gather=not self._failed)
+            module = self.lightning_module
+            if module is not None and has_meta_tensors(module):
+                self.precision_plugin.teardown()
+                self.accelerator.teardown()
+                return
+            super().teardown()
+        finally:
+            self._stop_watchdog()
 
     @classmethod
     @override

@@ -66,7 +66,8 @@ def run_on_ranks(fn: Callable[[int, int], Any], world_size: int, timeout_s: floa
     return [collected[r] for r in range(world_size)]
 
 
-def _worker(fn, rank: int, world_size: int, port: int, results) -> None:
+def set_rank_environment(rank: int, world_size: int, port: int) -> None:
+    """The variables a launcher sets for one rank on one node, which Lightning reads to join the job."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -77,6 +78,10 @@ def _worker(fn, rank: int, world_size: int, port: int, results) -> None:
         NODE_RANK="0",
         GROUP_RANK="0",
     )
+
+
+def _worker(fn, rank: int, world_size: int, port: int, results) -> None:
+    set_rank_environment(rank, world_size, port)
     torch.set_num_threads(1)
     code = 0
     try:

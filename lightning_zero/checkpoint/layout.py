@@ -21,12 +21,25 @@ Saving is atomic: everything goes to ``<path>.partial``, which replaces ``<path>
 previous checkpoint at ``<path>`` untouched. Loading is atomic too: every file is checked, then everything is read
 into fresh tensors, and only when all reads succeeded on every rank are the live shards, buffers and optimizer
 states overwritten.
+
+[Note: checksums]
+DCP checks no tensor bytes: a shard file with flipped bytes loads as other numbers. So a save also writes
+``checksums.json``: the size and CRC-32 of every file (``.metadata``, ``lightning.pt`` and each ``.distcp``), plus the
+CRC-32 of the manifest itself. Each rank hashes a round-robin share of the files right after writing them and rank 0
+writes the manifest, inside ``<path>.partial``, so it is swapped in with the rest. A load checks ``lightning.pt`` and
+``.metadata`` before unpickling them, then each rank the shard files it will read (DCP's own load plan says which),
+and the ranks agree on the outcome before anything is read: a damaged file fails on every rank, naming the file,
+with nothing changed. ``consolidate`` checks every file. CRC-32 runs at ~3.7 GB/s on one core here (blake2b 0.4,
+sha256 1.2): it catches damage, not tampering. Checkpoints written before the manifest existed have none and load
+without the check.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -42,6 +55,9 @@ from lightning_zero.sharding.flat_param import ShardSpec
 
 META_FILE = "lightning.pt"
 FORMAT_KEY = "lightning_zero"
+DCP_META_FILE = ".metadata"
+MANIFEST_FILE = "checksums.json"
+_HASH_CHUNK = 16 * 2**20
 
 
 class CheckpointError(RuntimeError):
@@ -87,16 +103,30 @@ def remove(path: str | os.PathLike) -> None:
 
 
 def read_meta(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory and its ``lightning.pt``, both small files checked against the manifest first."""
     resolved = _resolve(Path(path))
     if resolved is None:
         raise CheckpointError(f"{path} is not a lightning_zero checkpoint directory (no {META_FILE} in it)")
-    return resolved, torch.load(resolved / META_FILE, weights_only=False, map_location="cpu")
+    manifest = read_manifest(resolved)
+    if manifest is not None:
+        raise_if_damaged(resolved, manifest, [META_FILE, DCP_META_FILE])
+    try:
+        return resolved, torch.load(resolved / META_FILE, weights_only=False, map_location="cpu")
+    except Exception as err:
+        raise CheckpointError(f"{resolved / META_FILE} cannot be read: {_first_line(err)}") from err
 
 
-def check_files(path: Path) -> dict[str, TensorStorageMetadata]:
-    """Every shard file the checkpoint refers to exists and is long enough; returns the tensors' metadata."""
-    reader = FileSystemReader(path)
-    metadata = reader.read_metadata()
+def read_dcp_metadata(path: Path) -> Metadata:
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise CheckpointError(f"{path / DCP_META_FILE} cannot be read: {_first_line(err)}") from err
+
+
+def check_files(path: Path, verify: bool = True) -> dict[str, TensorStorageMetadata]:
+    """Every shard file the checkpoint refers to exists and is long enough, and, with ``verify`` and a manifest,
+    matches its checksum (see [Note: checksums]); returns the tensors' metadata."""
+    metadata = read_dcp_metadata(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -108,7 +138,85 @@ def check_files(path: Path) -> dict[str, TensorStorageMetadata]:
             raise CheckpointError(
                 f"checkpoint shard file {file} is truncated: {file.stat().st_size} bytes, the checkpoint needs {size}"
             )
+    manifest = read_manifest(path) if verify else None
+    if manifest is not None:
+        raise_if_damaged(path, manifest, sorted(needed))
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+# --------------------------------------------------------------------------------------------------- checksums
+
+
+def file_checksum(file: Path) -> int:
+    """CRC-32 of a file, read in 16 MiB pieces."""
+    crc, buffer = 0, bytearray(_HASH_CHUNK)
+    view = memoryview(buffer)
+    with open(file, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def checksummed_files(metadata: Metadata) -> list[str]:
+    """The files a manifest covers, in the order every rank uses: ``.metadata``, ``lightning.pt``, the shards."""
+    shards = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    return sorted({DCP_META_FILE, META_FILE} | shards)
+
+
+def write_manifest(path: Path, checksums: dict[str, int]) -> None:
+    """Write ``checksums.json`` for the files named in ``checksums`` (name -> CRC-32), their sizes taken now."""
+    files = {name: {"bytes": (path / name).stat().st_size, "crc32": crc} for name, crc in sorted(checksums.items())}
+    body = {"version": 1, "algorithm": "crc32", "files": files}
+    body["crc32"] = zlib.crc32(_canonical(body))
+    (path / MANIFEST_FILE).write_text(json.dumps(body, indent=1, sort_keys=True))
+
+
+def read_manifest(path: Path) -> dict[str, tuple[int, int]] | None:
+    """File name -> (bytes, CRC-32) from ``checksums.json``; None for a checkpoint saved without one."""
+    file = path / MANIFEST_FILE
+    if not file.is_file():
+        return None
+    try:
+        body = json.loads(file.read_text())
+        recorded = body.pop("crc32")
+        intact = recorded == zlib.crc32(_canonical(body)) and body["algorithm"] == "crc32"
+        files = {name: (int(e["bytes"]), int(e["crc32"])) for name, e in body["files"].items()} if intact else {}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"checkpoint manifest {file} is damaged: {_first_line(err)}") from err
+    if not intact:
+        raise CheckpointError(f"checkpoint manifest {file} is damaged: its content does not match its own checksum")
+    return files
+
+
+def file_damage(path: Path, manifest: dict[str, tuple[int, int]], name: str) -> str | None:
+    """What is wrong with file ``name`` against the manifest, or None if it matches."""
+    file = path / name
+    if name not in manifest:
+        return f"checkpoint file {file} is not in the manifest {path / MANIFEST_FILE}"
+    size, crc = manifest[name]
+    if not file.is_file():
+        return f"checkpoint file {file} is missing"
+    if file.stat().st_size != size:
+        return f"checkpoint file {file} has {file.stat().st_size} bytes, {size} when it was saved"
+    if file_checksum(file) != crc:
+        return f"checkpoint file {file} is corrupt: its CRC-32 differs from the one recorded when it was saved"
+    return None
+
+
+def raise_if_damaged(path: Path, manifest: dict[str, tuple[int, int]], names: Iterable[str]) -> None:
+    for name in names:
+        problem = file_damage(path, manifest, name)
+        if problem is not None:
+            raise CheckpointError(problem)
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def check_compatible(expected: dict[str, torch.Size], stored: dict[str, TensorStorageMetadata], prefix: str) -> None:

@@ -12,20 +12,28 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint.layout import (
     FORMAT_KEY,
+    MANIFEST_FILE,
     META_FILE,
     CheckpointError,
     check_compatible,
     check_files,
+    checksummed_files,
+    file_checksum,
+    file_damage,
+    read_dcp_metadata,
+    read_manifest,
     read_meta,
     shard_dtensor,
     state_dict_keys,
     to_shape,
+    write_manifest,
 )
 from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.optimizer import ShardedOptimizer, is_per_element
@@ -65,7 +73,7 @@ def optimizer_tensors(sharded: ShardedOptimizer, mesh: DeviceMesh) -> dict[str, 
             for key, value in entry.items()
         }
     groups = [dict(g, params=[shards[i].name for i in g["params"]]) for g in state_dict["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": groups, "optimizer_class": type(sharded.optimizer).__name__}
 
 
 def optimizer_destinations(
@@ -88,8 +96,17 @@ def optimizer_destinations(
     return destinations
 
 
-def _check_optimizer(sharded: ShardedOptimizer, groups: list[dict]) -> None:
-    """The checkpoint's optimizer steps the same parameters as the live one (by name)."""
+def _check_optimizer(sharded: ShardedOptimizer, groups: list[dict], saved_class: str | None, index: int) -> None:
+    """The checkpoint's optimizer is of the live one's class (by name, recorded since checksums were: older
+    checkpoints skip this) and steps the same parameters (by name). Another class would be handed state it does not
+    use (Adam's moments in SGD) and hyper-parameter groups without its own keys; another precision, other
+    hyper-parameter values, another world size or stage are fine."""
+    live = type(sharded.optimizer).__name__
+    if saved_class is not None and saved_class != live:
+        raise CheckpointError(
+            f"optimizer {index}: the checkpoint holds the state of {saved_class}, configure_optimizers returned "
+            f"{live}; to start a new optimizer from these weights, consolidate the checkpoint and load its state_dict"
+        )
     names = sorted(n for g in groups for n in g["params"])
     live = sorted(s.name for s in sharded.shards)
     if names != live:
@@ -138,6 +155,7 @@ def save_sharded(
         aliases=aliases,
         state_dict_keys=keys,
         optimizer_param_groups=None if optimizer_states is None else [s["param_groups"] for s in optimizer_states],
+        optimizer_classes=None if optimizer_states is None else [s.get("optimizer_class") for s in optimizer_states],
     )
     save(path, tensors, checkpoint, comms)
 
@@ -155,6 +173,7 @@ def save(path: str | os.PathLike, tensors: dict[str, Any], meta: dict[str, Any],
     if comms.rank == 0:
         torch.save(meta, partial / META_FILE)
     comms.barrier()
+    _record_checksums(partial, comms)
     if comms.rank == 0:
         old = path.with_name(path.name + ".old")
         if old.exists():
@@ -167,6 +186,40 @@ def save(path: str | os.PathLike, tensors: dict[str, Any], meta: dict[str, Any],
         if old.exists():
             shutil.rmtree(old)
     comms.barrier()
+
+
+def _record_checksums(path: Path, comms) -> None:
+    """Each rank hashes every N-th file, rank 0 writes the manifest (see [Note: checksums] in layout.py)."""
+    names = checksummed_files(read_dcp_metadata(path))
+    n, rank = comms.world_size, comms.rank
+    mine = [file_checksum(path / name) if i % n == rank else -1 for i, name in enumerate(names)]
+    everyone = comms.exchange(mine)
+    if rank == 0:
+        write_manifest(path, {name: everyone[i % n][i] for i, name in enumerate(names)})
+
+
+def _verify_reads(path: Path, tensors: dict[str, Any], comms) -> None:
+    """Check the files this rank is about to read against the manifest, and agree across ranks: a damaged file
+    fails the load on every rank, naming it, before DCP reads anything."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return  # saved before checksums were recorded: every rank skips alike
+    planner = DefaultLoadPlanner()
+    metadata = read_dcp_metadata(path)
+    planner.set_up_planner(tensors, metadata, is_coordinator=False)
+    plan = planner.create_local_plan()
+    reads = sorted({metadata.storage_data[item.storage_index].relative_path for item in plan.items})
+    names = sorted(manifest)
+    found = next((name for name in reads if file_damage(path, manifest, name) is not None), None)
+    code = -1 if found is None else names.index(found) if found in manifest else len(names)
+    verdicts = comms.exchange([code])
+    failed = [r for r, (code,) in enumerate(verdicts) if code >= 0]
+    if failed:
+        code = verdicts[failed[0]][0]
+        problem = (file_damage(path, manifest, names[code]) if code < len(names) else None) or (
+            f"rank {failed[0]} reads a file that {MANIFEST_FILE} does not list as it was saved"
+        )
+        raise CheckpointError(f"reading {path} failed on rank(s) {failed} ({problem}); nothing was changed")
 
 
 def load_sharded(
@@ -186,7 +239,7 @@ def load_sharded(
     """
     path, meta = read_meta(path)
     info = meta.pop(FORMAT_KEY)
-    stored = check_files(path)
+    stored = check_files(path, verify=False)  # each rank checks the checksums of what it reads, below
     model = _model_destinations(module, shards, mesh)
     check_compatible({k: v.shape for k, v in model.items()}, stored, "model.")
     tensors: dict[str, Any] = {"model": model}
@@ -196,11 +249,13 @@ def load_sharded(
             raise CheckpointError(
                 f"the checkpoint has {len(groups)} optimizer(s), configure_optimizers returned {len(optimizers)}"
             )
-        for optimizer, optimizer_groups in zip(optimizers, groups):
-            _check_optimizer(optimizer, optimizer_groups)
+        classes = info.get("optimizer_classes") or [None] * len(groups)
+        for i, (optimizer, optimizer_groups) in enumerate(zip(optimizers, groups)):
+            _check_optimizer(optimizer, optimizer_groups, classes[i], i)
         tensors["optim"] = {
             str(i): optimizer_destinations(o, stored, f"optim.{i}.", mesh) for i, o in enumerate(optimizers)
         }
+    _verify_reads(path, tensors, comms)
     try:
         dcp.load(tensors, checkpoint_id=path, process_group=comms.group if comms.distributed else None,
                  no_dist=not comms.distributed)

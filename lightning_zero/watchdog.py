@@ -1,0 +1,339 @@
+"""The watchdog: when one rank fails, every other rank fails too, within a bounded time, naming the rank at fault.
+
+[Note: how a rank learns that a peer failed]
+Each rank runs a daemon thread that, every ``heartbeat_s`` seconds, adds 1 to its own counter in the process group's
+store (the ``TCPStore`` every launcher sets up: rank 0's process hosts it, or torchrun's agent on the first node)
+and reads everyone's counters and a ``failure`` key, all under a namespace of its own for each fit. Counters need
+no clock agreement: a peer is silent when its counter has not moved, on this rank's monotonic clock. A failure ends in
+one of four ways, all leading to one error that names the rank at fault:
+
+- A rank raises (any exception reaching Lightning): ``on_exception`` publishes ``rank r failed: <error>`` in the
+  ``failure`` key (the first writer wins, so every rank reports the same root cause).
+- A rank dies (SIGKILL, out of memory, a crash): on gloo the survivors' next collective raises at once ("Connection
+  reset by peer", measured: 0.02 s, naming an address, not a rank). ``on_exception`` sees that the error is a
+  communication error and, for up to ``4 * heartbeat_s``, looks for the peer whose counter stopped, publishes it,
+  and adds a note (PEP 678) to the exception naming it. Lightning then re-raises the exception, note included.
+- A rank or its machine goes silent without closing its connections (a node lost, a process stopped, the GIL held
+  by C code): the survivors stay blocked in their collective; the thread sees the counter stand still for
+  ``failure_timeout_s`` and publishes that.
+- A peer published a failure while this rank was blocked in a collective (it raised but stays alive: a notebook, a
+  script that catches, a slow teardown): the thread sees the ``failure`` key within one heartbeat.
+
+In the last two cases the thread must make the training thread fail. It first raises :class:`PeerFailure` in that
+thread (``PyThreadState_SetAsyncExc``), which works whenever the thread runs Python: Lightning then runs its
+``on_exception`` hooks and teardown, and ``fit`` raises ``PeerFailure``. A thread blocked inside a collective never
+sees it: gloo's wait cannot be interrupted (measured on torch 2.13: ``ProcessGroup.abort()``, ``shutdown()`` and
+``destroy_process_group()``, on the waiting rank or on the failing one, leave the wait blocked until the process-group
+timeout, 30 minutes by default). So when the error was not received within ``grace_s``, the thread prints it to
+stderr and ends the process with ``os._exit(EXIT_CODE)``: no Lightning teardown, but nothing could run one anyway
+(it would wait on the same collective), and a launcher (torchrun, SLURM) sees the exit at once. After the error was
+received, teardown gets ``failure_timeout_s`` to finish before the same exit.
+
+Not covered: a rank whose training thread hangs while its heartbeat thread lives (a deadlock outside collectives, an
+endless loop) looks alive; the process-group timeout still ends its peers' collectives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+#: Exit status of a process the watchdog ends because a peer failed: EX_UNAVAILABLE (a required service is gone).
+EXIT_CODE = 69
+#: Added to a rank's counter when it stops cleanly, so that its peers never take it for silent.
+_DONE = 1 << 40
+#: One namespace per watchdog started in this process: every rank starts them in the same order (one per fit).
+_GENERATIONS = itertools.count()
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed (or the store that connects the ranks is gone); ``rank`` is the one at fault, if known."""
+
+    def __init__(self, rank: int | None, reason: str) -> None:
+        self.rank = rank
+        self.reason = reason
+        super().__init__(f"rank {rank} {reason}" if rank is not None else reason)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PeerFailure, (self.rank, self.reason)
+
+
+class Watchdog:
+    """Heartbeats and failure announcements of one rank in ``store`` (see [Note: how a rank learns that a peer
+    failed]). ``start()`` in setup, ``on_exception()`` from the strategy's ``on_exception``, ``stop()`` at the end of
+    teardown. ``failure_timeout_s``: how long a peer may stay silent before this rank fails; ``heartbeat_s``: the
+    period of the heartbeat and of the checks; ``grace_s``: how long the training thread gets to receive the error
+    before the process exits (default ``max(1, 2 * heartbeat_s)``); ``store_in_rank0``: whether rank 0's process
+    hosts the store (so that losing the store means losing rank 0), as without torchrun's agent; ``namespace``: the
+    keys' prefix in the store (default: one per watchdog created in this process, the same on every rank)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        failure_timeout_s: float = 300.0,
+        heartbeat_s: float = 2.0,
+        grace_s: float | None = None,
+        store_in_rank0: bool = True,
+        namespace: str | None = None,
+    ) -> None:
+        if not 0 < heartbeat_s < failure_timeout_s:
+            raise ValueError(
+                f"heartbeat_s={heartbeat_s!r} is invalid: it must be > 0 and below "
+                f"failure_timeout_s={failure_timeout_s!r}"
+            )
+        self.rank, self.world_size = rank, world_size
+        self.failure_timeout_s, self.heartbeat_s = failure_timeout_s, heartbeat_s
+        self.grace_s = max(1.0, 2 * heartbeat_s) if grace_s is None else grace_s
+        self.store_in_rank0 = store_in_rank0
+        prefix = f"lightning_zero/watchdog/{next(_GENERATIONS) if namespace is None else namespace}/"
+        self._beats = [f"{prefix}beat/{r}" for r in range(world_size)]
+        self._failure_key = f"{prefix}failure"
+        # One client connection per thread (``Store.clone``), each with its own timeout: the heartbeat thread's is the
+        # failure timeout (a store silent that long is lost), the training thread's is short (it is already failing).
+        self._store = _client(store, failure_timeout_s)
+        self._main_store = _client(store, max(5.0, 4 * heartbeat_s))
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._acknowledged = threading.Event()  # the training thread is handling an exception
+        self._delivered = threading.Event()  # it received the watchdog's own
+        self._target: int | None = None
+        self._thread: threading.Thread | None = None
+        self.verdict: PeerFailure | None = None
+
+    @classmethod
+    def for_process_group(
+        cls, failure_timeout_s: float | None = 300.0, heartbeat_s: float = 2.0, **kwargs: Any
+    ) -> Watchdog | None:
+        """A watchdog over the default process group's store; None with one rank or ``failure_timeout_s=None``."""
+        if failure_timeout_s is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        in_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else torchrun's agent hosts it
+        store = dist.distributed_c10d._get_default_store()
+        return cls(store, dist.get_rank(), dist.get_world_size(), failure_timeout_s, heartbeat_s,
+                   store_in_rank0=in_rank0, **kwargs)
+
+    # ------------------------------------------------------------------------------------- the training thread
+
+    def start(self) -> None:
+        """Beat once, then check every ``heartbeat_s`` in a daemon thread; errors go to the calling thread."""
+        self._target = threading.get_ident()
+        self._store.add(self._beats[self.rank], 1)
+        self._thread = threading.Thread(target=self._run, name=f"lightning_zero-watchdog-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """The training thread failed: publish this rank as the root cause, or, if the error only reflects a peer's
+        failure, name that peer in a note on the exception."""
+        with self._lock:
+            self._acknowledged.set()
+            if self.verdict is not None and not self._delivered.is_set() and self._target is not None:
+                _raise_in_thread(self._target, None)  # withdraw it: this thread is already failing
+        if isinstance(exception, PeerFailure):
+            return
+        try:
+            cause = self._read_failure(self._main_store)
+            if cause is None and _is_communication_error(exception):
+                cause = self._find_silent_peer()
+            if cause is None:
+                self._publish(self._main_store, self.rank, f"failed: {_describe(exception)}")
+                return
+            self._publish(self._main_store, cause.rank, cause.reason)
+        except dist.DistError as err:  # the store itself is gone, and with it the rank hosting it
+            cause = self._store_lost(err)
+        if cause.rank != self.rank:
+            _add_note(exception, f"lightning_zero watchdog (rank {self.rank}): {cause}; this error is a consequence")
+
+    def stop(self) -> None:
+        """Stop the thread and tell the peers that this rank ended cleanly (not silent). Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        try:
+            self._main_store.add(self._beats[self.rank], _DONE)
+        except dist.DistError:
+            pass  # the store is gone: nobody is left to misread the silence
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.heartbeat_s)
+
+    # ---------------------------------------------------------------------------------------- the daemon thread
+
+    def _run(self) -> None:
+        seen = [0] * self.world_size
+        moved = [time.monotonic()] * self.world_size
+        while not self._stopping.wait(self.heartbeat_s):
+            try:
+                self._store.add(self._beats[self.rank], 1)
+                verdict = self._read_failure(self._store)
+                beats = self._read_beats(self._store)
+            except dist.DistError as err:
+                verdict, beats = self._store_lost(err), seen
+            now = time.monotonic()
+            for r, beat in enumerate(beats):
+                if beat != seen[r]:
+                    seen[r], moved[r] = beat, now
+            if verdict is None or verdict.rank == self.rank:
+                verdict = self._silent(seen, moved, now, self.failure_timeout_s)
+            if verdict is not None and not self._acknowledged.is_set():
+                self._fail(verdict)
+                return
+
+    def _silent(self, seen: list[int], moved: list[float], now: float, limit: float) -> PeerFailure | None:
+        for r in range(self.world_size):
+            if r != self.rank and seen[r] < _DONE and now - moved[r] >= limit:
+                what = "sent no heartbeat" if seen[r] else "never started its watchdog"
+                return PeerFailure(
+                    r, f"{what} for {now - moved[r]:.1f} s (failure_timeout_s={self.failure_timeout_s:g}): it died, "
+                    "is stopped, or its machine is unreachable"
+                )
+        return None
+
+    def _fail(self, verdict: PeerFailure) -> None:
+        """Make the training thread raise ``verdict``; end the process if it cannot (blocked in a collective)."""
+        try:
+            self._publish(self._store, verdict.rank, verdict.reason)
+        except dist.DistError:
+            pass
+        with self._lock:
+            if self._acknowledged.is_set() or self._stopping.is_set():
+                return
+            self.verdict = verdict
+            _report(self.rank, f"{verdict}; raising it in the training thread")
+            _raise_in_thread(self._target, _carrier(verdict, self._delivered))
+        if not (_wait_any(self._acknowledged, self._stopping, timeout=self.grace_s)):
+            _exit(self.rank, f"{verdict}; the training thread is blocked in a collective that cannot be interrupted")
+        if not self._stopping.wait(self.failure_timeout_s):
+            _exit(self.rank, f"{verdict}; teardown did not finish within failure_timeout_s={self.failure_timeout_s:g}")
+
+    # ---------------------------------------------------------------------------------------------- the store
+
+    def _read_failure(self, store: dist.Store) -> PeerFailure | None:
+        if not store.check([self._failure_key]):
+            return None
+        rank, _, reason = store.get(self._failure_key).decode().partition("\t")
+        return PeerFailure(int(rank) if rank else None, reason)
+
+    def _read_beats(self, store: dist.Store) -> list[int]:
+        """Every rank's counter: one request once all exist; until then (ranks starting) key by key, 0 if absent."""
+        if store.check(self._beats):
+            return [int(v) for v in store.multi_get(self._beats)]
+        return [int(store.get(k)) if store.check([k]) else 0 for k in self._beats]
+
+    def _publish(self, store: dist.Store, rank: int | None, reason: str) -> None:
+        """Record the root cause unless one already is (the first failure is the one every rank reports)."""
+        store.compare_set(self._failure_key, "", f"{'' if rank is None else rank}\t{reason}")
+
+    def _find_silent_peer(self) -> PeerFailure | None:
+        """After a communication error: the published cause, or the peer whose counter stopped, within
+        ``4 * heartbeat_s`` (a live peer beats every ``heartbeat_s``: one silent for two periods is taken for dead)."""
+        started = time.monotonic()
+        seen = self._read_beats(self._main_store)
+        moved = [started] * self.world_size
+        while time.monotonic() - started < 4 * self.heartbeat_s:
+            time.sleep(self.heartbeat_s / 4)
+            cause = self._read_failure(self._main_store)
+            if cause is not None:
+                return cause
+            now = time.monotonic()
+            for r, beat in enumerate(self._read_beats(self._main_store)):
+                if beat != seen[r]:
+                    seen[r], moved[r] = beat, now
+            silent = self._silent(seen, moved, now, 2 * self.heartbeat_s)
+            if silent is not None:
+                return PeerFailure(silent.rank, f"stopped sending heartbeats (silent {now - moved[silent.rank]:.1f} s "
+                                   "after this rank's collective failed): it died or its machine is unreachable")
+        return None
+
+    def _store_lost(self, err: BaseException) -> PeerFailure:
+        if self.store_in_rank0:
+            return PeerFailure(0, f"is gone: the process group's store, which runs in its process, is unreachable "
+                               f"({_describe(err)})")
+        return PeerFailure(None, f"the process group's store, in the torchrun agent of the first node, is unreachable "
+                           f"({_describe(err)}): that node is probably gone")
+
+
+def _client(store: dist.Store, timeout_s: float) -> dist.Store:
+    """A connection of its own to ``store`` (``Store.clone``), with its own timeout; where a torch build lacks
+    ``clone``, the shared client, whose timeout is left alone."""
+    if not hasattr(store, "clone"):
+        return store
+    client = store.clone()
+    client.set_timeout(timedelta(seconds=timeout_s))
+    return client
+
+
+def _wait_any(*events: threading.Event, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not any(e.is_set() for e in events):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _carrier(verdict: PeerFailure, delivered: threading.Event) -> type[PeerFailure]:
+    """A ``PeerFailure`` subclass that raises ``verdict`` when instantiated without arguments: what
+    ``PyThreadState_SetAsyncExc`` does with the class it is given. Its ``__init__`` runs in the receiving thread, so
+    it also records the delivery."""
+
+    def __init__(self: PeerFailure) -> None:
+        delivered.set()
+        PeerFailure.__init__(self, verdict.rank, verdict.reason)
+
+    return type("PeerFailure", (PeerFailure,), {"__init__": __init__, "__module__": __name__})
+
+
+def _raise_in_thread(ident: int | None, exception: type[BaseException] | None) -> None:
+    """Raise ``exception`` (a class) in thread ``ident`` at its next Python instruction; ``None`` withdraws it."""
+    if ident is not None:
+        pending = ctypes.py_object(exception) if exception is not None else None  # None: NULL, which withdraws
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), pending)
+
+
+def _is_communication_error(exception: BaseException) -> bool:
+    """Whether the error (or one it was raised from) is a failed collective or store operation: what a rank sees
+    when a peer died, rather than a fault of its own."""
+    seen: set[int] = set()
+    error: BaseException | None = exception
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if isinstance(error, dist.DistError) or type(error).__name__ == "CheckpointException" or any(
+            marker in text for marker in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                          "NCCL error", "ProcessGroupNCCL")
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _describe(exception: BaseException) -> str:
+    text = str(exception).strip().splitlines()
+    return f"{type(exception).__name__}: {text[0]}" if text else type(exception).__name__
+
+
+def _add_note(exception: BaseException, note: str) -> None:
+    if hasattr(exception, "add_note"):  # Python >= 3.11
+        exception.add_note(note)
+    else:
+        _report(None, note)
+
+
+def _report(rank: int | None, message: str) -> None:
+    prefix = "lightning_zero watchdog" + (f" (rank {rank})" if rank is not None else "")
+    sys.stderr.write(f"{prefix}: {message}\n")
+    sys.stderr.flush()
+
+
+def _exit(rank: int, message: str) -> None:
+    _report(rank, f"{message}; exiting with code {EXIT_CODE}")
+    os._exit(EXIT_CODE)

@@ -1,0 +1,109 @@
+"""The watchdog in one process: two ranks' watchdogs share an in-memory store, this thread plays rank 0's training
+thread. (A thread blocked in a collective, where the watchdog ends the process, is covered with real ranks in
+test_rank_failure.py.)"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch.distributed as dist
+
+from lightning_zero.watchdog import PeerFailure, Watchdog
+
+HEARTBEAT_S, TIMEOUT_S = 0.1, 1.0
+
+
+@pytest.fixture
+def pair():
+    """Watchdogs of rank 0 and rank 1 over one store, under a fresh namespace; both stopped at the end (a
+    watchdog left running would end this process once its grace period is over)."""
+    store, namespace = dist.HashStore(), uuid.uuid4().hex
+    dogs = [Watchdog(store, r, 2, TIMEOUT_S, HEARTBEAT_S, grace_s=30.0, namespace=namespace) for r in (0, 1)]
+    yield dogs
+    for dog in dogs:
+        dog.stop()
+
+
+def _busy(seconds: float) -> None:
+    """Python work in the training thread, where the watchdog's error can be raised."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
+
+
+def test_a_published_failure_is_raised_in_the_training_thread_naming_the_rank(pair) -> None:
+    ours, peer = pair
+    ours.start()
+    peer.start()
+    peer.on_exception(ValueError("out of data\nsecond line"))
+    started = time.monotonic()
+    with pytest.raises(PeerFailure) as caught:
+        _busy(5.0)
+    ours.on_exception(caught.value)
+    assert time.monotonic() - started < 3 * HEARTBEAT_S
+    assert caught.value.rank == 1 and str(caught.value) == "rank 1 failed: ValueError: out of data"
+
+
+def test_a_silent_peer_fails_this_rank_after_the_failure_timeout(pair) -> None:
+    ours, peer = pair
+    peer.start()
+    peer._stopping.set()  # its heartbeat thread ends without telling anyone: a frozen process or a lost machine
+    ours.start()
+    started = time.monotonic()
+    with pytest.raises(PeerFailure, match=r"rank 1 sent no heartbeat for 1\.\d s \(failure_timeout_s=1\)") as caught:
+        _busy(10.0)
+    ours.on_exception(caught.value)
+    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 3 * HEARTBEAT_S
+
+
+def test_a_peer_that_stopped_cleanly_is_never_taken_for_failed(pair) -> None:
+    ours, peer = pair
+    ours.start()
+    peer.start()
+    peer.stop()
+    _busy(TIMEOUT_S + 5 * HEARTBEAT_S)  # would raise PeerFailure
+    assert ours.verdict is None
+
+
+def test_a_rank_that_never_started_its_watchdog_is_named(pair) -> None:
+    ours, _ = pair
+    ours.start()
+    with pytest.raises(PeerFailure, match="rank 1 never started its watchdog for 1") as caught:
+        _busy(10.0)
+    ours.on_exception(caught.value)
+
+
+def test_on_exception_publishes_a_root_cause_and_names_it_on_the_others(pair) -> None:
+    ours, peer = pair
+    ours.start()
+    peer.start()
+    root = KeyError("tokens")
+    peer.on_exception(root)
+    assert not getattr(root, "__notes__", None)  # the root cause gets no note
+    consequence = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    ours.on_exception(consequence)
+    assert consequence.__notes__ == [
+        "lightning_zero watchdog (rank 0): rank 1 failed: KeyError: 'tokens'; this error is a consequence"
+    ]
+
+
+def test_a_communication_error_is_blamed_on_the_peer_whose_heartbeat_stopped(pair) -> None:
+    ours, peer = pair
+    ours.start()
+    peer.start()
+    peer._stopping.set()  # killed: its counter stands still
+    error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    started = time.monotonic()
+    ours.on_exception(error)
+    assert time.monotonic() - started <= 4 * HEARTBEAT_S + 0.2
+    assert len(error.__notes__) == 1 and error.__notes__[0].startswith(
+        "lightning_zero watchdog (rank 0): rank 1 stopped sending heartbeats"
+    )
+    assert ours._read_failure(ours._main_store).rank == 1  # published: the other ranks report the same cause
+
+
+def test_heartbeat_must_be_shorter_than_the_failure_timeout() -> None:
+    with pytest.raises(ValueError, match="heartbeat_s=5 is invalid: it must be > 0 and below failure_timeout_s=5"):
+        Watchdog(dist.HashStore(), 0, 2, failure_timeout_s=5, heartbeat_s=5)
