@@ -20,17 +20,19 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import consolidate
+from tests.distributed.semantics_models import ConvNet
 from tests.models import Recorder, StepSeededLM, flat_params
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _fit(strategy, precision=None, steps=8, model_cls=StepSeededLM, ckpt_path=None):
+def _fit(strategy, precision=None, steps=8, model_cls=StepSeededLM, ckpt_path=None, **trainer_kwargs):
     pl.seed_everything(11, verbose=False)
     model, recorder = model_cls(), Recorder()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cuda", devices=1, max_steps=steps, precision=precision, callbacks=[recorder],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **trainer_kwargs,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer, recorder
@@ -109,3 +111,18 @@ def test_sharded_checkpoint_of_cuda_tensors_resumes_exactly(tmp_path: Path, coll
     np.testing.assert_allclose(resumed.losses, whole.losses[3:], rtol=1e-3)
     keys = consolidate(tmp_path / "run.ckpt", tmp_path / "w.safetensors")
     assert "lm.head.weight" in keys
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sync_batchnorm_on_the_gpu(stage: int, collectives: str) -> None:
+    # SyncBatchNorm needs GPU modules (refused on CPU, as DDP does); at world size 1 it normalises as BatchNorm, so
+    # single-device training with plain BatchNorm is the reference, running statistics included.
+    want_trainer, want = _fit("auto", model_cls=ConvNet)
+    trainer, got = _fit(_zero(stage, collectives, units=("Conv2d", "Linear")), model_cls=ConvNet, sync_batchnorm=True)
+    assert isinstance(trainer.lightning_module.bn, torch.nn.SyncBatchNorm)
+    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
+    for a, b in zip(got.params, want.params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(trainer.lightning_module.bn, name).cpu(),
+                                   getattr(want_trainer.lightning_module.bn, name).cpu(), rtol=1e-5, atol=1e-6)
