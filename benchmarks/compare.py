@@ -13,6 +13,8 @@ every raw figure.
     python benchmarks/compare.py --quick              # < 1 min, tiny model; report in bench_work/compare/quick/
     python benchmarks/compare.py --report-only benchmarks/results/full.json   # re-render BENCHMARKS.md and plot
     python benchmarks/compare.py --only M-2 --approaches ddp,lz_zero2 --rounds 1   # a subset
+    python benchmarks/compare.py --gpu                # one GPU: 1.3B GPT, bf16-mixed, every approach (zbench/gpu.py)
+    python benchmarks/compare.py --gpu --gpu-size tiny --gpu-approaches single,zero3   # the same on CPU, tiny
 
 DeepSpeed rows need the ``deepspeed`` package and the plot needs matplotlib (benchmarks/README.md sets up an
 environment with both); without them the DeepSpeed rows are reported as skipped and the plot is skipped, saying so.
@@ -126,6 +128,13 @@ def main(argv=None) -> int:
                                                         "(timed steps; table and Chrome trace per rank)")
     ap.add_argument("--timers", default="", help="comma list of module:Qual.name functions to time per step "
                                                  "(profiling; see zbench/measure.py PhaseTimers)")
+    ap.add_argument("--gpu", action="store_true", help="the one-GPU comparison instead (zbench/gpu.py): one process "
+                                                       "per approach, bf16-mixed, step time, tokens/s, TFLOPS, MFU, "
+                                                       "peak GPU memory")
+    ap.add_argument("--gpu-size", default="1.3B", help="model size of --gpu: 1.3B (default) or tiny (runs on CPU)")
+    ap.add_argument("--gpu-approaches", default="", help="comma list of --gpu approaches (default: all)")
+    ap.add_argument("--gpu-peak-tflops", type=float, default=None, help="peak TFLOPS MFU is measured against "
+                                                                         "(default: 989, an H200's dense bf16)")
     ap.add_argument("--report-only", default="", help="re-render the report from a JSON results file")
     ap.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -139,6 +148,8 @@ def main(argv=None) -> int:
         report.write(results, args.out, args.plot or os.path.splitext(args.report_only)[0] + ".png")
         return 0
 
+    if args.gpu:
+        return run_gpu(args, argv)
     if args.quick:
         configs = quick_plan()
     else:
@@ -191,6 +202,37 @@ def main(argv=None) -> int:
     report.write(results, args.out, plot_path)
     failed = [f"{r['config']}/{r['approach']}" for r in runs if not r["ok"]]
     print(f"[compare] wrote {args.out}, {results_path}; {len(failed)} failed runs {failed or ''}", flush=True)
+    return 1 if failed else 0
+
+
+def run_gpu(args, argv) -> int:
+    """``--gpu``: every approach of zbench/gpu.py in its own process; print the table, write it and the figures."""
+    from zbench import gpu
+
+    names = [n for n in args.gpu_approaches.split(",") if n] or list(gpu.APPROACHES)
+    unknown = [n for n in names if n not in gpu.APPROACHES]
+    if unknown or args.gpu_size not in gpu.SIZES:
+        print(f"[compare --gpu] unknown approach {unknown} or size {args.gpu_size!r}: approaches "
+              f"{', '.join(gpu.APPROACHES)}; sizes {', '.join(gpu.SIZES)}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    started = time.time()
+    results = gpu.run_all(names, args.gpu_size, args.python, args.timeout, env)
+    peak = args.gpu_peak_tflops or gpu.PEAK_TFLOPS
+    table = gpu.table(results, peak)
+    device = next((r["device"] for r in results if "device" in r), "unknown")
+    heading = (f"GPU comparison, {time.strftime('%Y-%m-%d', time.localtime(started))}, {device}, size {args.gpu_size}, "
+               f"bf16-mixed, world size 1, MFU against {peak:.0f} TFLOPS")
+    print(heading + "\n\n" + table, flush=True)
+    outdir = os.path.join(args.workdir, "gpu")
+    os.makedirs(outdir, exist_ok=True)
+    results_path = args.results or os.path.join(outdir, "gpu.json")
+    with open(results_path, "w") as f:
+        json.dump(dict(command=args.command or _command(argv), heading=heading, size=args.gpu_size, peak_tflops=peak,
+                       duration_s=round(time.time() - started), machine=_machine(), runs=results), f, indent=1)
+    with open(args.out or os.path.join(outdir, "GPU.md"), "w") as f:
+        f.write(f"{heading}\n\n{table}\n")
+    failed = [r["name"] for r in results if "error" in r and not r["error"].startswith("skipped")]
     return 1 if failed else 0
 
 

@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -43,6 +44,7 @@ from lightning_zero.sharding.materialize import (
     materialize_shards,
     rng_state,
 )
+from lightning_zero.sharding.overlap import install_gate
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
 from lightning_zero.watchdog import Watchdog
 
@@ -193,6 +195,8 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.config.stage == 3:
             install_summary(trainer, {s.param: s.spec.numel for s in self._runtime.shards})
+        elif not self._runtime.single_rank:
+            install_gate(trainer, self._runtime)  # user hooks wait for the gathers overlapping the next forward
         self._failed = False
 
     @contextmanager
@@ -241,7 +245,8 @@ class ZeroStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.runtime.begin_step(training=True)
-        return super().training_step(*args, **kwargs)
+        with self.runtime.reading_guard():  # stage 1/2: parameters still being gathered complete on first read
+            return super().training_step(*args, **kwargs)
 
     @override
     def post_training_step(self) -> None:
@@ -330,7 +335,10 @@ class ZeroStrategy(DDPStrategy):
         def closure_with_hooks() -> Any:
             return plugin.closure_with_hooks(model, optimizer, closure)
 
-        return self.runtime.step(inner, closure_with_hooks, plugin, model.automatic_optimization, **kwargs)
+        # Gathers may stay in flight into the next forward unless user code runs right after the step: manual
+        # optimization, or an overridden ``LightningModule.optimizer_step`` (see sharding/overlap.py).
+        defer = model.automatic_optimization and not is_overridden("optimizer_step", model, parent=pl.LightningModule)
+        return self.runtime.step(inner, closure_with_hooks, plugin, model.automatic_optimization, defer, **kwargs)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
 
@@ -348,6 +356,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards as DTensors, keyed by parameter name: no communication (see ``checkpoint.py``)."""
+        self.runtime.wait()
         return ckpt.model_tensors(self.runtime.module, self.runtime.shards, self._mesh(), self.runtime.comms.rank)
 
     @override

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -333,6 +334,54 @@ def _slope(pts) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else float("nan")
 
 
+def issue13_table(results, summary, gpu: dict | None) -> list[str]:
+    """Issue 13's figures: step-time ratios against the peers on the main configuration, zero3's communication from
+    lightning_zero's own accounting (logical ring volume; the per-op table shows what gloo's algorithms put on the
+    wire), zero1's peak RSS against ZeroRedundancyOptimizer, and the one-GPU figures when a ``--gpu`` run exists."""
+    main = next((c for c in results["configs"] if c["purpose"] == "main"), None)
+    if main is None:
+        return []
+    rows = summary[main["name"]]
+    lines = ["| figure | measured | goal | verdict |", "|---|---|---|---|"]
+
+    def add(text, value, goal, met):
+        verdict = "-" if value is None else ("met" if met else "NOT met")
+        lines.append(f"| {text} | {'not measured' if value is None else value} | {goal} | {verdict} |")
+
+    def ratio(a, b, key="step_s"):
+        if rows.get(a, {}).get("ok") and rows.get(b, {}).get("ok"):
+            return rows[a][key] / rows[b][key]
+        return None
+
+    for text, a, b, goal in (("zero1 / torch DDP step time", "lz_zero1", "ddp", 1.02),
+                             ("zero2 / torch DDP step time", "lz_zero2", "ddp", 1.02),
+                             ("zero3 / FSDP2 (reshard) step time", "lz_zero3", "fsdp2", 0.75),
+                             ("zero3 / DeepSpeed ZeRO-3 step time", "lz_zero3", "ds_z3", 0.75)):
+        r = ratio(a, b)
+        add(f"{text}, {main['name']}", None if r is None else f"{r:.3f}", f"<= {goal}", r is not None and r <= goal)
+    z3 = rows.get("lz_zero3", {})
+    if z3.get("ok") and z3.get("own_comm") and main["world"] > 1:
+        psi = z3["n_params"] * 4 * (main["world"] - 1) / main["world"]
+        own = sum(z3["own_comm"][0].values()) / psi
+        add("zero3 communication per step, own accounting (x Psi(N-1)/N)", f"{own:.2f}", "<= 3.00", own <= 3.005)
+    else:
+        add("zero3 communication per step, own accounting (x Psi(N-1)/N)", None, "<= 3.00", False)
+    r = ratio("lz_zero1", "torch_zero1", "train_peak_above_base")
+    add("zero1 training peak RSS / ZeroRedundancyOptimizer's", None if r is None else f"{r:.3f}", "<= 1.0",
+        r is not None and r <= 1.0)
+    runs = {g["name"]: g for g in (gpu or {}).get("runs", []) if "error" not in g}
+    single = runs.get("single", {}).get("step_ms")
+    for stage in (1, 2, 3):
+        r = runs[f"zero{stage}"]["step_ms"] / single if single and f"zero{stage}" in runs else None
+        add(f"world size 1, zero{stage} / single device (one GPU)", None if r is None else f"{r:.3f}", "<= 1.01",
+            r is not None and r <= 1.01)
+    r = (runs["zero3_collectives"]["step_ms"] / runs["fsdp2"]["step_ms"]
+         if "zero3_collectives" in runs and "fsdp2" in runs else None)
+    add("zero3 with real collectives / FSDP2 at world size 1 (one GPU)", None if r is None else f"{r:.3f}", "<= 0.97",
+        r is not None and r <= 0.97)
+    return lines
+
+
 def world1_table(results, summary) -> list[str]:
     c = next((c for c in results["configs"] if c["world"] == 1), None)
     if c is None:
@@ -433,6 +482,8 @@ def render(results: dict, summary: dict, plot_rel: str | None) -> str:
     lines += [f"## Main configuration ({main['name']})", "", _config_line(main, n_params) + ".", ""]
     lines += main_table(results, main, rows) + [""]
     lines += ["### Acceptance criteria (issue 7), on this configuration", ""] + goals_table(results, summary) + [""]
+    gpu = _gpu_results()
+    lines += ["### Speed and memory goals (issue 13)", ""] + issue13_table(results, summary, gpu) + [""]
     lines += ["### lightning_zero against its like-for-like peers (ratios < 1: lightning_zero is faster / smaller)", ""]
     lines += comparison_table(results, rows) + [""]
     lines += ["Peers are those that shard the same states (stage) without offload; zero1/zero2 are also compared "
@@ -473,6 +524,7 @@ def render(results: dict, summary: dict, plot_rel: str | None) -> str:
         lines += [f"## Long sequence ({c['name']})", "", _config_line(c, n) + ".", ""]
         lines += main_table(results, c, rows_l) + [""]
         lines += comparison_table(results, rows_l) + [""]
+    lines += ["## One GPU (`compare.py --gpu`)", ""] + gpu_lines(gpu) + [""]
     lines += ["## Loss agreement", "", *loss_table(results, summary), ""]
     other = [c for c in configs if c["purpose"] != "main"]
     if other and not results.get("quick"):
@@ -489,6 +541,28 @@ def render(results: dict, summary: dict, plot_rel: str | None) -> str:
         with open(FINDINGS) as f:
             lines += [f.read().rstrip(), ""]
     return "\n".join(lines)
+
+
+GPU_RESULTS = os.path.join(HERE, "results", "gpu.json")
+
+
+def _gpu_results() -> dict | None:
+    """The last ``compare.py --gpu --results benchmarks/results/gpu.json`` run, if there is one."""
+    if not os.path.exists(GPU_RESULTS):
+        return None
+    with open(GPU_RESULTS) as f:
+        return json.load(f)
+
+
+def gpu_lines(gpu: dict | None) -> list[str]:
+    if gpu is None:
+        return ["Pending: no GPU was lent for this run. `compare.py --gpu --results benchmarks/results/gpu.json` on a "
+                "GPU machine measures a 1.3B GPT (d 2048, 24 layers, seq 2048, vocab 50304, batch 8) at bf16-mixed, "
+                "one process per approach, and this section shows its table; its code path runs on the CPU at a tiny "
+                "size in tests/integration/test_benchmarks.py."]
+    from zbench.gpu import table
+
+    return [gpu["heading"] + f" (`{gpu['command']}`).", "", table(gpu["runs"], gpu.get("peak_tflops", 989.0))]
 
 
 def write(results: dict, out: str, plot_path: str) -> dict:

@@ -172,6 +172,8 @@ def run_lightning(approach, model, batches, rec: Recorder, world: int) -> dict:
     info: dict = {}
 
     class Hooks(pl.Callback):
+        reads_parameters = False  # timings, byte counts and the loss: lightning_zero's gathers may stay in flight
+
         def on_train_start(self, trainer, pl_module):
             # Lightning registers DDP comm hooks only on CUDA; route DDP's all-reduces through Python on CPU too,
             # as for the raw DDP loop (measure.py).

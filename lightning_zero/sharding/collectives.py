@@ -118,6 +118,37 @@ class InFlight:
         on_done(pending.wait())
 
 
+class BufferPool:
+    """Bucket buffers kept across steps: a collective takes one of at least the size it needs and gives it back once
+    its result is consumed, so a step allocates no bucket buffer after the first. One free buffer per dtype is kept
+    per in-flight slot (``MAX_IN_FLIGHT``), each as large as the largest bucket seen: what the pipelines already hold
+    at their peak, now held between steps too."""
+
+    def __init__(self, device: torch.device, limit: int = MAX_IN_FLIGHT) -> None:
+        self.device = device
+        self.limit = limit
+        self._free: dict[torch.dtype, list[Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        free = self._free.setdefault(dtype, [])
+        for i, buffer in enumerate(free):
+            if buffer.numel() >= numel:
+                return free.pop(i)[:numel]
+        if free:
+            free.pop(0)  # too small for this bucket: replaced by one that fits
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def give(self, buffer: Tensor) -> None:
+        """Return a buffer from ``take`` (its whole storage is reused)."""
+        whole = torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(buffer.untyped_storage())
+        free = self._free.setdefault(buffer.dtype, [])
+        if len(free) < self.limit:
+            free.append(whole)
+
+    def buffers(self) -> list[Tensor]:
+        return [b for free in self._free.values() for b in free]
+
+
 class Collectives:
     """Collectives over one process group (default: the world) on ``device``, with byte accounting in ``stats``.
 
@@ -165,11 +196,14 @@ class Collectives:
 
     # ------------------------------------------------------------------------------------------- bucket collectives
 
-    def reduce_scatter(self, bucket: Bucket, grads: Sequence[Tensor | None], what: str = "gradients") -> Pending:
+    def reduce_scatter(
+        self, bucket: Bucket, grads: Sequence[Tensor | None], what: str = "gradients", buffer: Tensor | None = None
+    ) -> Pending:
         """Average full-shape gradients across ranks; the pending result is this rank's reduced shards (one view
-        per parameter of ``bucket``, in the bucket's dtype). ``None`` gradients count as zeros."""
+        per parameter of ``bucket``, in the bucket's dtype). ``None`` gradients count as zeros. ``buffer``: a
+        full-size buffer to pack into (default: a new one); the result may view it."""
         self.check(f"the {what} of {bucket.shards[0].name}", bucket.device)
-        buffer = bucket.empty()
+        buffer = bucket.empty() if buffer is None else buffer
         bucket.pack(grads, buffer)
         n = self.world_size
         if self.local:
@@ -185,12 +219,15 @@ class Collectives:
         self.stats.record("reduce_scatter", nbytes * (n - 1) / n, 2 * nbytes * (n - 1) / n)
         return Pending([work], lambda: bucket.local_views(bucket.segment(buffer)))
 
-    def all_gather(self, bucket: Bucket, shards: Sequence[Tensor] | None = None) -> Pending:
+    def all_gather(
+        self, bucket: Bucket, shards: Sequence[Tensor] | None = None, buffer: Tensor | None = None
+    ) -> Pending:
         """Gather every rank's shards of ``bucket`` (default: each shard's ``gather_source``, cast to the bucket's dtype);
-        the pending result is the full rank-major buffer, for ``Bucket.unpack`` or ``Bucket.unpack_to_storage``."""
+        the pending result is the full rank-major buffer (``buffer`` if given), for ``Bucket.unpack`` or
+        ``Bucket.unpack_to_storage``."""
         sources = [s.gather_source for s in bucket.shards] if shards is None else shards
         self.check(f"the shard of {bucket.shards[0].name}", bucket.device)
-        buffer = bucket.empty()
+        buffer = bucket.empty() if buffer is None else buffer
         with torch.no_grad():
             bucket.pack_local(sources, bucket.segment(buffer))
         n = self.world_size

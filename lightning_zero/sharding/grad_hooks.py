@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_zero.config import CommConfig
-from lightning_zero.sharding.collectives import Collectives, InFlight
+from lightning_zero.sharding.collectives import BufferPool, Collectives, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
 
@@ -143,8 +143,10 @@ class GradReducer:
     otherwise stage 2 (only gradient shards persist, reduction on every backward).
     """
 
-    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, config: CommConfig, keep_full_grads: bool):
+    def __init__(self, shards: Sequence[ParamShard], comms: Collectives, config: CommConfig, keep_full_grads: bool,
+                 pool: BufferPool | None = None):
         self.comms = comms
+        self.pool = pool or BufferPool(comms.device)
         self.config = config
         self.keep_full_grads = keep_full_grads
         self.grad_shards = GradShards(comms.world_size, keep_full_grads)
@@ -210,17 +212,19 @@ class GradReducer:
     def _launch(self, index: int, used: list[bool] | None = None) -> None:
         bucket = self._buckets[index]
         grads = [s.param.grad if used is None or used[i] else None for i, s in enumerate(bucket.shards)]
-        pending = self.comms.reduce_scatter(bucket, grads)
+        buffer = self.pool.take(bucket.full_numel, bucket.dtype)
+        pending = self.comms.reduce_scatter(bucket, grads, buffer=buffer)
         if not self.keep_full_grads:
             for shard in bucket.shards:
                 shard.param.grad = None
         self._next_launch = index + 1
-        self._in_flight.add(pending, lambda reduced: self._store(bucket, grads, reduced, used))
+        self._in_flight.add(pending, lambda reduced: self._store(bucket, grads, reduced, used, buffer))
 
-    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None) -> None:
+    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None, buffer: Tensor) -> None:
         for i, (shard, full, rows) in enumerate(zip(bucket.shards, grads, reduced)):
             if used is None or used[i]:
                 self.grad_shards.store(shard, rows, full)
+        self.pool.give(buffer)  # the rows were copied out: the buffer serves the next bucket
 
     # ------------------------------------------------------------------------------------------------ after backward
 

@@ -77,15 +77,16 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------------------------------------------ the step
 
     def shards_with_grads(self) -> list[ParamShard]:
-        """The shards whose ``param.grad`` holds a reduced gradient shard."""
-        return [s for s in self.shards if s.param.grad is not None and s.param.grad.shape == s.spec.local_shape]
+        """The shards whose ``param.grad`` holds a reduced gradient shard (at world size 1 with the short cut,
+        autograd's own gradient: a 0-d parameter's is 0-d, its shard's shape is ``(1,)``)."""
+        return [s for s in self.shards if s.param.grad is not None and _is_shard_grad(s, s.param.grad)]
 
     def step_grads(self) -> list[tuple[ParamShard, Tensor]]:
         """The reduced gradient shards in the masters' dtype, for shards that have one: the shards themselves when
         the dtypes agree (fp32), else fp32 copies that live for this step only (16-bit working gradients)."""
         out = []
         for shard in self.shards_with_grads():
-            grad = shard.param.grad
+            grad = shard.param.grad.view(shard.spec.local_shape)
             out.append((shard, grad if grad.dtype == shard.local.dtype else grad.to(shard.local.dtype)))
         return out
 
@@ -162,6 +163,11 @@ class ShardedOptimizer:
                     )
                 local_state[index][key] = value
         self.load_state_dict({"state": local_state, "param_groups": groups})
+
+
+def _is_shard_grad(shard: ParamShard, grad: Tensor) -> bool:
+    spec = shard.spec
+    return grad.shape == spec.local_shape or (spec.world_size == 1 and grad.shape == spec.shape)
 
 
 def is_per_element(key: str, value: Any, shape: torch.Size, shard: ParamShard) -> bool:

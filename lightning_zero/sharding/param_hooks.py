@@ -1,14 +1,6 @@
 """Stage 3: gather each unit's parameters right before it runs, free them right after, reduce its gradients once its
 backward is done, prefetch the next unit.
 
-[Note: how a full parameter is freed and restored]
-The module keeps its own ``nn.Parameter`` objects, so that user code, tied weights, the optimizer's ``param_groups``
-and autograd all refer to one object per parameter. While sharded, its ``.data`` is an empty tensor (code that
-touches it outside a forward sees 0 elements, never freed memory); to unshard, each of the unit's buckets (one per
-dtype) is all-gathered and copied into one new tensor, and each parameter's ``.data`` becomes its view of it
-(``ParamShard.to_unsharded``). Swapping ``.data`` leaves the version counter alone, so autograd accepts the parameters
-it saved in forward once the pre-backward hook has gathered them again.
-
 [Note: the life of a unit in one training step]
 forward: the pre-hook waits for the unit's all-gather (issued earlier as a prefetch, or now) and issues the next
 units', up to ``prefetch`` ahead in the order units ran in the previous step; the post-hook frees the parameters
@@ -26,137 +18,23 @@ make sure the unit is gathered, in state ``BACKWARD``, so recomputation costs no
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from enum import Enum, auto
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.config import CommConfig, Stage3Config
-from lightning_zero.sharding.collectives import Collectives, InFlight, Pending
+from lightning_zero.sharding.collectives import Collectives, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import GradHooks, GradShards, warn_unused
-
-_NO_LIMIT = 1 << 62
-
-
-class UnitState(Enum):
-    SHARDED = auto()
-    """Only the local shards exist; the full parameters have 0-byte storage."""
-    GATHERING = auto()
-    """An all-gather of the shards is in flight (a prefetch); the full parameters are not usable yet."""
-    UNSHARDED = auto()
-    """The full parameters hold the current values (forward, evaluation, ``gathered_parameters``)."""
-    BACKWARD = auto()
-    """Gathered for backward; ``Unit.outstanding`` lists what must happen before its gradients can be reduced."""
-
-
-class RankDivergenceError(RuntimeError):
-    """Ranks issued different unit collectives: control flow differed between ranks under zero3."""
-
-
-class Unit:
-    """The parameters of one module that are gathered, freed and reduced together.
-
-    ``announce(kind, unit)`` is called before each of the unit's collectives (see ``ShardedParams._announce``).
-    """
-
-    def __init__(
-        self,
-        index: int,
-        name: str,
-        module: nn.Module,
-        shards: Sequence[ParamShard],
-        comms: Collectives,
-        announce: Callable[[str, Unit], None] = lambda kind, unit: None,
-    ):
-        self.index = index
-        self.name = name or "<root>"
-        self.module = module
-        self.shards = list(shards)
-        self.comms = comms
-        self.announce = announce
-        #: Context around packing the shards for a gather (disk offload pages parameter shards in and out).
-        self.staged = _nothing
-        self.gather_buckets = make_buckets(self.shards, _NO_LIMIT)
-        self.state = UnitState.SHARDED
-        #: In state BACKWARD: the shards whose gradient has not been accumulated yet, and "inputs" once per forward
-        #: call whose inputs' gradients do not exist yet.
-        self.outstanding: Counter = Counter()
-        self._pending: list[tuple[Bucket, Pending]] = []
-
-    def __repr__(self) -> str:
-        return f"unit {self.name!r}"
-
-    def _expect(self, *states: UnitState) -> None:
-        if self.state not in states:
-            names = " or ".join(s.name for s in states)
-            raise AssertionError(f"{self}: expected state {names}, found {self.state.name}")
-
-    def start_unshard(self) -> None:
-        """Issue the all-gather of this unit's shards, unless it is already gathered or on its way."""
-        if self.state is not UnitState.SHARDED:
-            return
-        if self.gather_buckets:
-            self.announce("gather", self)
-        with self.staged(self.shards):
-            self._pending = [(bucket, self.comms.all_gather(bucket)) for bucket in self.gather_buckets]
-        self.state = UnitState.GATHERING
-
-    def wait_unshard(self) -> None:
-        """Make the full parameters usable, gathering now if no prefetch did."""
-        self.start_unshard()
-        if self.state is not UnitState.GATHERING:
-            return
-        for bucket, pending in self._pending:
-            for shard, storage in zip(bucket.shards, bucket.unpack_to_storage(pending.wait())):
-                shard.to_unsharded(storage)
-                shard.mark_written()
-        self._pending = []
-        self.state = UnitState.UNSHARDED
-
-    def reshard(self, keep_edits: bool = True) -> None:
-        """Free the full parameters (a gather in flight is completed first, to keep ranks' collectives aligned).
-        ``keep_edits``: values changed in place while gathered (``gathered_parameters``, ``load_state_dict``) are
-        written back into the shards first."""
-        if self.state is UnitState.SHARDED:
-            return
-        self.wait_unshard()
-        for shard in self.shards:
-            if keep_edits:
-                shard.adopt_edits()
-            shard.to_sharded()
-        self.state = UnitState.SHARDED
-
-    def refresh(self) -> None:
-        """Gather again if gathered: the shards were just updated, the full parameters are stale."""
-        if self.state is not UnitState.SHARDED:
-            self.reshard(keep_edits=False)
-            self.wait_unshard()
-
-    def enter_backward(self, input_grad_calls: int) -> None:
-        """Gathered for backward; done once ``outstanding`` empties (``input_grad_calls``: forward calls of this
-        step whose inputs need a gradient)."""
-        if self.state is UnitState.BACKWARD:
-            return
-        self.wait_unshard()
-        self._expect(UnitState.UNSHARDED)
-        self.outstanding = Counter(s for s in self.shards if s.trainable)
-        if input_grad_calls:
-            self.outstanding["inputs"] = input_grad_calls
-        self.state = UnitState.BACKWARD
-
-    def mark(self, event: object) -> bool:
-        """Record a backward event (a shard's gradient accumulated, or "inputs"); whether the unit is now done."""
-        if self.state is not UnitState.BACKWARD or event not in self.outstanding:
-            return False
-        self.outstanding[event] -= 1
-        if self.outstanding[event] <= 0:
-            del self.outstanding[event]
-        return not self.outstanding
+from lightning_zero.sharding.unit_state import (
+    UNBOUNDED,
+    RankDivergenceError,
+    Unit,
+    UnitState,
+)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -172,11 +50,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: Tensor):
         ctx.callback()
         return (None, *grads)
-
-
-@contextmanager
-def _nothing(*_args: object) -> Iterator[None]:
-    yield
 
 
 def _in_backward() -> bool:
@@ -246,14 +119,14 @@ class ShardedParams:
     def _post_forward_hook(self, unit: Unit):
         def hook(_module: nn.Module, _args: tuple, output):
             if _in_backward() or self._holding:
-                return None
+                return
             if not torch.is_grad_enabled() or self.config.reshard_after_forward:
                 unit.reshard()
             if torch.is_grad_enabled():
                 for tensor in tree_flatten(output)[0]:
                     if isinstance(tensor, Tensor) and tensor.requires_grad:
                         tensor.register_hook(self._pre_backward_hook(unit))
-            return None
+            return
 
         return hook
 
@@ -310,7 +183,7 @@ class ShardedParams:
         key = (unit, tuple(s.trainable for s in unit.shards))
         if key not in self._reduce_buckets:
             trainable = [s for s in unit.shards if s.trainable and s.param.is_floating_point()]
-            self._reduce_buckets[key] = make_buckets(trainable, _NO_LIMIT, self.comm.reduce_torch_dtype)
+            self._reduce_buckets[key] = make_buckets(trainable, UNBOUNDED, self.comm.reduce_torch_dtype)
         return self._reduce_buckets[key]
 
     @contextmanager
@@ -373,13 +246,19 @@ class ShardedParams:
         self._announced = 0
         self.root.wait_unshard()
 
-    def after_update(self, stepped: Sequence[ParamShard]) -> None:
+    def after_update(self, stepped: Sequence[ParamShard], defer: bool = False) -> None:
         """Units are gathered from the updated shards when they next run; one still gathered (the root unit during
         a step, manual optimization's later forwards, ``gathered_parameters``) is gathered again now."""
         stepped = set(stepped)
         for unit in self.all_units:
             if unit.state is not UnitState.SHARDED and any(s in stepped for s in unit.shards):
                 unit.refresh()
+
+    def wait(self) -> None:
+        """Nothing is deferred past a step: each unit is gathered when it next runs."""
+
+    def reading_guard(self):
+        return nullcontext()
 
     def end_step(self) -> None:
         """After the step's last backward, or an evaluation step: free every unit, the root included."""

@@ -1,56 +1,195 @@
 """Stages 1 and 2: every rank keeps the full parameters; after an update each rank's new shards are all-gathered
-into them, bucket by bucket (stage 3 replaces this with the units of param_hooks.py)."""
+into them, bucket by bucket, overlapped with the next forward (stage 3 replaces this with the units of
+param_hooks.py).
+
+[Note: the parameter all-gather overlaps the next forward]
+After an update (automatic optimization) the gathers are *launched*, not waited: the first ``MAX_IN_FLIGHT``
+buckets go out at once, in parameter order (about the order the forward uses them), and the step returns. Each
+module that owns a stepped parameter has a forward pre-hook that completes, in launch order, every bucket up to the
+last one holding its own parameters: wait, unpack into the parameters (one fused copy), give the buffer back to the
+pool and launch the next bucket with it. So the next forward computes with the first layers while the last ones
+are still on the wire, and no more than ``MAX_IN_FLIGHT`` bucket buffers ever exist.
+
+Correctness first: a parameter must never be read while its bucket is in flight (its rows are the previous step's).
+Reads that do not go through its module's forward are caught three ways. Inside ``training_step`` a
+``TorchFunctionMode`` (``reading_guard``) sees every tensor operation and completes the bucket of any pending
+parameter an operation touches (``self.wpe.weight[:T]``, a tied weight used with ``F.linear``, a parameter of the
+LightningModule itself); everything else that reads parameters (evaluation, checkpoints, ``gathered_parameters``,
+teardown, ``load_state_dict``, the next step itself) calls ``wait``; and user hooks that run between the step and the
+next ``training_step`` (``on_train_batch_end`` ...) are preceded by ``wait`` unless every callback there declares it
+reads no parameters (see ``lightning_zero.sharding.overlap``). A model compiled with ``torch.compile`` (given to the
+Trainer compiled, or with compiled submodules) completes every bucket before ``training_step`` instead, as dynamo
+does not trace through the guard; a function compiled inside ``training_step`` is not detected, and dynamo then
+fails on the guard (a clear error, never a wrong value). Manual optimization, and a LightningModule that
+overrides ``optimizer_step``, gather at once: user code continues right after ``optimizer.step()``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_zero.config import CommConfig
-from lightning_zero.sharding.collectives import Collectives, InFlight
+from lightning_zero.sharding.collectives import (
+    MAX_IN_FLIGHT,
+    BufferPool,
+    Collectives,
+    Pending,
+)
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
 
 class ReplicatedParams:
-    """Full parameters on every rank, rebuilt from the shards after each update."""
+    """Full parameters on every rank, rebuilt from the shards after each update (see [Note: the parameter
+    all-gather overlaps the next forward])."""
 
-    def __init__(self, comms: Collectives, config: CommConfig) -> None:
+    def __init__(self, module: nn.Module, shards: Sequence[ParamShard], comms: Collectives, config: CommConfig,
+                 pool: BufferPool) -> None:
         self.comms = comms
         self.config = config
+        self.pool = pool
         self._buckets: dict[tuple[ParamShard, ...], list[Bucket]] = {}
+        #: Buckets launched or queued, in launch order, and the index of the first one not completed.
+        self._order: list[Bucket] = []
+        self._launched: list[Pending] = []
+        self._done = 0
+        #: Pending parameter (by id) -> index of its bucket in ``_order``.
+        self._pending: dict[int, int] = {}
+        by_param = {s.param: s for s in shards}
+        self._owned: dict[nn.Module, list[ParamShard]] = {}
+        for owner in module.modules():
+            if owner is module:
+                continue  # the LightningModule's own parameters are waited for when read (its forward runs first)
+            own = [by_param[p] for p in owner.parameters(recurse=False) if p in by_param]
+            if own:
+                self._owned[owner] = own
+        self._hooks = [m.register_forward_pre_hook(self._pre_forward(m)) for m in self._owned]
+        self._completing = False
+        self._compiled = _compiled(module)
 
     @torch.no_grad()
-    def gather(self, shards: Sequence[ParamShard]) -> None:
-        """All-gather the local shards (cast to the parameters' dtype) of ``shards`` into their full parameters."""
+    def gather(self, shards: Sequence[ParamShard], defer: bool = False) -> None:
+        """All-gather the local shards (cast to the parameters' dtype) of ``shards`` into their full parameters;
+        ``defer`` returns once the first buckets are launched (the rest completes on use)."""
+        self.wait()
         key = tuple(shards)
         if key not in self._buckets:
             self._buckets[key] = make_buckets(list(shards), self.config.bucket_bytes)
-        in_flight = InFlight()
-        for bucket in self._buckets[key]:
-            in_flight.add(self.comms.all_gather(bucket), lambda full, b=bucket: _unpack(b, full))
-        in_flight.drain()
+        self._order = list(self._buckets[key])
+        self._launched, self._done = [], 0
+        self._pending = {id(s.param): i for i, b in enumerate(self._order) for s in b.shards}
+        while len(self._launched) < min(MAX_IN_FLIGHT, len(self._order)):
+            self._launch_next()
+        if not defer:
+            self.wait()
 
-    def after_update(self, stepped: Sequence[ParamShard]) -> None:
-        """The shards an optimizer just stepped are gathered at once (their parameters are used in the next forward)."""
-        self.gather(stepped)
+    def after_update(self, stepped: Sequence[ParamShard], defer: bool = False) -> None:
+        """The shards an optimizer just stepped are gathered into their parameters, for the next forward."""
+        self.gather(stepped, defer)
+
+    def _launch_next(self) -> None:
+        bucket = self._order[len(self._launched)]
+        buffer = self.pool.take(bucket.full_numel, bucket.dtype)
+        self._launched.append(self.comms.all_gather(bucket, buffer=buffer))
+
+    def _complete_through(self, index: int) -> None:
+        """Complete every bucket up to ``index`` in launch order, launching the next one as each frees its buffer."""
+        self._completing = True  # the unpack's own operations touch pending parameters: not a read to guard
+        try:
+            while self._done <= index:
+                bucket, full = self._order[self._done], self._launched[self._done].wait()
+                bucket.unpack(full, [s.param for s in bucket.shards])
+                for shard in bucket.shards:
+                    shard.mark_written()
+                    self._pending.pop(id(shard.param), None)
+                self._launched[self._done] = None
+                self.pool.give(full)
+                self._done += 1
+                if len(self._launched) < len(self._order):
+                    self._launch_next()
+        finally:
+            self._completing = False
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Every parameter holds its current values when this returns."""
+        if self._done < len(self._order):
+            self._complete_through(len(self._order) - 1)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._done < len(self._order)
+
+    def _pre_forward(self, module: nn.Module):
+        own = self._owned[module]
+
+        @torch.no_grad()
+        def hook(_module: nn.Module, _args: tuple) -> None:
+            if self._pending:
+                needed = [self._pending[id(s.param)] for s in own if id(s.param) in self._pending]
+                if needed:
+                    self._complete_through(max(needed))
+
+        return hook
+
+    def reading_guard(self):
+        """Around ``training_step``: operations touching a parameter whose bucket is in flight complete it first.
+        A compiled model completes every bucket first instead: dynamo cannot trace through the guard's mode."""
+        if self._pending and self._compiled:
+            self.wait()
+        return _ReadGuard(self) if self._pending else nullcontext()
+
+    def _touch(self, values) -> None:
+        if self._completing:
+            return
+        for value in values:
+            if isinstance(value, (list, tuple)):
+                self._touch(value)
+            elif isinstance(value, Tensor) and id(value) in self._pending:
+                with torch.no_grad():
+                    self._complete_through(self._pending[id(value)])
 
     def begin_step(self) -> None:
-        """Nothing to gather: the parameters are full."""
+        """Nothing to gather: the parameters are full (or complete on use)."""
 
     def end_step(self) -> None:
         """Nothing to free."""
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
+        self.wait()
         yield
 
     def remove(self) -> None:
-        """No hooks to remove."""
+        """Drop the hooks; gathers still in flight are left alone (after an error a peer may never answer)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
 
-def _unpack(bucket: Bucket, full: torch.Tensor) -> None:
-    bucket.unpack(full, [s.param for s in bucket.shards])
-    for shard in bucket.shards:
-        shard.mark_written()
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` was given to the Trainer compiled (Lightning keeps the compile settings on it) or holds
+    compiled submodules (a model compiled inside a function is not seen: see [Note: the parameter all-gather
+    overlaps the next forward])."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules())
+
+
+class _ReadGuard(TorchFunctionMode):
+    """Completes a pending parameter's bucket before any operation reads it (see the module docstring)."""
+
+    def __init__(self, params: ReplicatedParams) -> None:
+        super().__init__()
+        self.params = params
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.params._pending:
+            self.params._touch(args)
+            self.params._touch(kwargs.values())
+        return func(*args, **kwargs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -121,3 +122,40 @@ def test_quick_run_is_consistent(tmp_path: Path) -> None:
         assert "skipped: deepspeed not installed" in text
     plot = results_path.with_suffix(".png")
     assert plot.exists() == HAVE_MATPLOTLIB
+
+
+def test_gpu_mode_runs_on_cpu_at_a_tiny_size(tmp_path: Path) -> None:
+    """``compare.py --gpu`` (one process per approach, bf16-mixed) at the tiny size on the CPU: every approach ran,
+    the table has a row per approach, and the figures follow from the step time (none is asserted to be fast)."""
+    from zbench import gpu
+
+    names = ["single", "zero1", "zero2", "zero3", "zero3_collectives"]
+    results_path, table_path = tmp_path / "gpu.json", tmp_path / "GPU.md"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compare.py"), "--gpu", "--gpu-size", "tiny", "--gpu-approaches", ",".join(names),
+         "--results", str(results_path), "--out", str(table_path), "--workdir", str(tmp_path / "work")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {r["name"]: r for r in json.loads(results_path.read_text())["runs"]}
+    assert sorted(runs) == sorted(names)
+    size = gpu.SIZES["tiny"]
+    for name, run in runs.items():
+        assert "error" not in run, (name, run.get("error"))
+        assert run["steps"] == size.steps and run["params"] == size.n_params
+        assert 0 < run["step_ms_min"] <= run["step_ms"] <= run["step_ms_max"]
+        assert run["tokens_per_s"] == pytest.approx(size.batch * size.seq / (run["step_ms"] / 1e3))
+        assert run["tflops"] == pytest.approx(size.flops_per_step() / (run["step_ms"] / 1e3) / 1e12)
+        assert math.isfinite(run["final_loss"]), name
+    # lightning_zero at world size 1 takes one path whatever the stage, and issuing the collectives changes nothing.
+    zero_losses = {runs[n]["final_loss"] for n in names if n.startswith("zero")}
+    assert len(zero_losses) == 1, runs
+    # The table: printed and written, a row per approach with its label, and the single device as the 1.000 row.
+    for text in (proc.stdout, table_path.read_text()):
+        assert "| approach | step ms median (min-max) | x single device | tokens/s | TFLOPS | MFU | peak GPU GiB |" in text
+        for name in names:
+            assert f"| {gpu.APPROACHES[name]} |" in text
+        assert f"| {gpu.APPROACHES['single']} | " in text and " | 1.000 | " in text
+        assert "size tiny, bf16-mixed, world size 1" in text
+    assert sum(p.numel() for p in gpu.GPT(size).parameters()) == size.n_params  # the formula TFLOPS rely on

@@ -1,0 +1,277 @@
+"""``compare.py --gpu``: one GPU (world size 1), one fresh process per approach, bf16-mixed, a GPT of about 1.3B
+parameters (d 2048, 24 layers, 16 heads, seq 2048, vocab 50304, tied embeddings, batch 8) trained through the
+Lightning Trainer: the per-step cost of each implementation's machinery where there is nothing to shard.
+
+Approaches: a single device (``strategy="auto"``), lightning_zero zero1/zero2/zero3 (the world-size-1 short cut),
+zero3 with every collective really issued at world size 1 (``shortcut_single_rank=False``: the NCCL path of a
+multi-GPU job), FSDP2 through Lightning's ``ModelParallelStrategy`` (``fully_shard`` per block and the root) and
+DeepSpeed ZeRO-3 through Lightning's ``DeepSpeedStrategy``. Each prints one ``RESULT {json}`` line: median step time
+after warm-up (a CUDA synchronisation brackets each step), tokens/s, model TFLOPS (6 N T plus attention), MFU
+against ``peak_tflops`` and peak GPU memory. Speed is reported, never asserted.
+
+Without a GPU the same code runs on the CPU at a size from ``SIZES`` (``--gpu-size tiny``: what the tests run);
+peak memory is then not measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Approaches of the GPU run, in run order, and their labels.
+APPROACHES = {
+    "single": "single device",
+    "zero1": "lightning_zero zero1",
+    "zero2": "lightning_zero zero2",
+    "zero3": "lightning_zero zero3",
+    "zero3_collectives": "lightning_zero zero3, collectives issued",
+    "fsdp2": "FSDP2 (ModelParallelStrategy)",
+    "ds_z3": "DeepSpeed ZeRO-3 (DeepSpeedStrategy)",
+}
+#: Dense bf16 TFLOPS of one H200 (and H100 SXM): what MFU is measured against by default.
+PEAK_TFLOPS = 989.0
+
+
+@dataclass(frozen=True)
+class GpuSize:
+    vocab: int
+    d: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+    warmup: int
+    steps: int
+
+    @property
+    def n_params(self) -> int:
+        """Tied embedding, learned positions, per block 12 d^2 (no biases) and two LayerNorms, the final LayerNorm."""
+        d = self.d
+        return self.vocab * d + self.seq * d + self.layers * (12 * d * d + 4 * d) + 2 * d
+
+    def flops_per_step(self) -> float:
+        tokens = self.batch * self.seq
+        return 6 * self.n_params * tokens + 12 * self.layers * self.d * self.seq * tokens
+
+
+SIZES = {
+    "1.3B": GpuSize(vocab=50304, d=2048, layers=24, heads=16, seq=2048, batch=8, warmup=4, steps=10),
+    "tiny": GpuSize(vocab=512, d=64, layers=2, heads=2, seq=32, batch=2, warmup=2, steps=3),
+}
+
+
+def run_one(name: str, size: GpuSize) -> dict:
+    """Train ``size.warmup + size.steps`` steps of approach ``name`` in this process; return its figures."""
+    import lightning.pytorch as pl
+
+    cuda = torch.cuda.is_available()
+    times: list[float] = []
+
+    class Clock(pl.Callback):
+        reads_parameters = False
+
+        def on_train_batch_start(self, *_args) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *_args) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+
+    pl.seed_everything(0, verbose=False)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = pl.Trainer(
+        accelerator="cuda" if cuda else "cpu", devices=1, strategy=_strategy(name), precision="bf16-mixed",
+        max_steps=size.warmup + size.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Clock()],
+    )
+    module = _lightning_module(name, size, cuda)
+    trainer.fit(module)
+    timed = times[size.warmup:]
+    step = statistics.median(timed)
+    flops = size.flops_per_step()
+    return dict(
+        name=name, label=APPROACHES[name], device=torch.cuda.get_device_name() if cuda else "cpu",
+        params=size.n_params, step_ms=step * 1e3, step_ms_min=min(timed) * 1e3, step_ms_max=max(timed) * 1e3,
+        tokens_per_s=size.batch * size.seq / step, tflops=flops / step / 1e12,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, steps=len(timed),
+        final_loss=module.losses[-1] if module.losses else math.nan,
+    )
+
+
+def _strategy(name: str):
+    if name == "single":
+        return "auto"
+    if name.startswith("zero"):
+        from lightning_zero import ZeroStrategy
+
+        stage = int(name[4])
+        units = {"units": ("Block",)} if stage == 3 else {}
+        return ZeroStrategy(stage=stage, shortcut_single_rank=name != "zero3_collectives", **units)
+    if name == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    if name == "ds_z3":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(stage=3)
+    raise ValueError(f"unknown GPU approach {name!r}: choose from {', '.join(APPROACHES)}")
+
+
+def _lightning_module(name: str, size: GpuSize, cuda: bool):
+    import lightning.pytorch as pl
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            self.model = GPT(size)
+            if name == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for block in self.model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, idx, _batch_idx):
+            logits = self.model(idx[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), idx[:, 1:].reshape(-1))
+            self.losses.append(loss.detach())
+            return loss
+
+        def on_train_end(self) -> None:
+            self.losses = [float(x) for x in self.losses]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            count = size.batch * (size.warmup + size.steps)
+            data = torch.randint(0, size.vocab, (count, size.seq + 1), generator=g)
+            return torch.utils.data.DataLoader(data, batch_size=size.batch, pin_memory=cuda)
+
+    return LM()
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block without biases (lightning_zero's and FSDP2's unit, by this class name)."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d, bias=False)
+        self.out = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token ids ``(batch, seq)`` -> logits; the output head is tied to the token embedding."""
+
+    def __init__(self, size: GpuSize) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(size.vocab, size.d)
+        self.wpe = nn.Embedding(size.seq, size.d)
+        self.blocks = nn.ModuleList(Block(size.d, size.heads) for _ in range(size.layers))
+        self.ln = nn.LayerNorm(size.d)
+        self.head = nn.Linear(size.d, size.vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# driver (compare.py --gpu)
+# ----------------------------------------------------------------------------------------------------------------------
+def run_all(names: list[str], size_name: str, python: str, timeout: float, env: dict) -> list[dict]:
+    """Each approach in a fresh process (``python -m zbench.gpu NAME SIZE``); an approach that fails or is not
+    installed is reported with its reason, the others still run."""
+    results = []
+    for name in names:
+        t0 = time.time()
+        missing = _missing(name)
+        if missing:
+            results.append(dict(name=name, label=APPROACHES[name], error=f"skipped: {missing} not installed"))
+            continue
+        try:
+            proc = subprocess.run([python, "-m", "zbench.gpu", name, size_name], capture_output=True, text=True,
+                                  timeout=timeout, env=env, check=False)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            result = json.loads(lines[-1][7:]) if lines else dict(
+                name=name, label=APPROACHES[name], error=_last_lines(proc.stderr or proc.stdout))
+        except subprocess.TimeoutExpired:
+            result = dict(name=name, label=APPROACHES[name], error=f"timed out after {timeout:.0f} s")
+        result["process_s"] = round(time.time() - t0, 1)
+        print(f"[compare --gpu] {name}: {result.get('error', 'ok')}", flush=True)
+        results.append(result)
+    return results
+
+
+def table(results: list[dict], peak_tflops: float = PEAK_TFLOPS) -> str:
+    """The markdown table of a GPU run: step time (and against the single device), tokens/s, TFLOPS, MFU, memory."""
+    base = next((r["step_ms"] for r in results if r["name"] == "single" and "error" not in r), None)
+    lines = ["| approach | step ms median (min-max) | x single device | tokens/s | TFLOPS | MFU | peak GPU GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['label']} | {r['error']} | | | | | |")
+            continue
+        ratio = f"{r['step_ms'] / base:.3f}" if base else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        lines.append(
+            f"| {r['label']} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) | {ratio} | "
+            f"{r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {r['tflops'] / peak_tflops:.3f} | {peak} |"
+        )
+    return "\n".join(lines)
+
+
+def _missing(name: str) -> str | None:
+    import importlib.util
+
+    if name == "ds_z3" and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed"
+    return None
+
+
+def _last_lines(text: str, n: int = 4) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return " | ".join(lines[-n:])[-600:]
+
+
+if __name__ == "__main__":
+    approach, size_name = sys.argv[1], sys.argv[2]
+    figures = run_one(approach, SIZES[size_name])
+    print("RESULT " + json.dumps(figures | {"size": asdict(SIZES[size_name])}), flush=True)

@@ -1,0 +1,127 @@
+"""The arithmetic of one optimizer step: the factor every gradient shard is multiplied by (the fp16 loss scale's
+inverse times the clip coefficient), the global norm it needs, and what a non-finite gradient does to the step.
+
+The runtime (runtime.py) sequences the step; this module only computes, with one all-reduce of a few floats per
+step when anything needs the global norm.
+
+[Note: no host synchronisation in a step]
+The global norm and the clip coefficient stay tensors on the device: ``clip / (norm + 1e-6)`` clamped to 1 is folded
+with the loss-scale inverse into one 0-d factor that ``scale_`` multiplies the shards by, so clipping by norm never
+makes the host wait for the device. Three things do, because the host must decide something: fp16 loss scaling
+(whether to skip the step and back off), ``nonfinite_grads="skip"`` or ``"raise"`` (whether to step at all), and
+optimizer offload (the host runs the update, so it reads the factor). ``grad_norm`` returns Python floats for
+logging, at the user's request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_zero.sharding.collectives import Collectives
+from lightning_zero.sharding.flat_param import ParamShard
+
+
+class NonFiniteGradientsError(FloatingPointError):
+    """A rank's gradients held an inf or NaN and ``nonfinite_grads="raise"``; the message names the ranks."""
+
+
+class StepScaling:
+    """Agrees across ranks on the factor a step multiplies the gradient shards by (see the module docstring)."""
+
+    def __init__(self, comms: Collectives, nonfinite_grads: str) -> None:
+        self.comms = comms
+        self.policy = nonfinite_grads
+        #: The global gradient norm (a device tensor) before the last clip by norm.
+        self.last_grad_norm: Tensor | None = None
+        #: Optimizer steps skipped because a rank's gradients held an inf or NaN (``nonfinite_grads="skip"``).
+        self.skipped_steps = 0
+
+    @torch.no_grad()
+    def agree(self, grads: list[Tensor], scaler: Any, clip: tuple[str, float] | None) -> Tensor | float | None:
+        """The factor the gradients are multiplied by (the loss scale's inverse, the clip coefficient), or ``None``
+        when the step is skipped on every rank; see [Note: non-finite gradients]."""
+        inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+        by_norm = clip is not None and clip[0] == "norm"
+        factor: Tensor | float = inv_scale
+        if scaler is None and not by_norm and self.policy == "ignore":
+            return factor
+        norm, failed = self._global_norm(grads)
+        norm = norm * inv_scale
+        if scaler is not None:
+            scaler.update_from((~torch.isfinite(norm)).float())
+        if (scaler is not None or self.policy != "ignore") and not torch.isfinite(norm).item():
+            if scaler is None:
+                self._on_nonfinite(failed)
+            return None
+        if by_norm:
+            self.last_grad_norm = norm
+            factor = inv_scale * torch.clamp(clip[1] / (norm + 1e-6), max=1.0)
+        return factor
+
+    def _on_nonfinite(self, failed: Tensor) -> None:
+        """[Note: non-finite gradients] An inf or NaN in any rank's gradients makes the global norm non-finite on
+        every rank at once (one all-reduce carries the sum of squares and which ranks saw one), so every rank takes
+        the same decision: fp16 loss scaling backs off and skips the step (as GradScaler); otherwise
+        ``nonfinite_grads="skip"`` skips it and warns, ``"raise"`` raises, both naming the ranks, and ``"ignore"``
+        (the default, with no check at all) steps as DDP would: the non-finite values spread through the averaged
+        gradients alike on every rank, so the ranks never diverge from one another."""
+        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+        where = f"rank(s) {ranks}" if ranks else "the global norm (its sum of squares overflowed)"
+        message = f"non-finite gradients (inf or NaN) on {where} at this optimizer step"
+        if self.policy == "raise":
+            raise NonFiniteGradientsError(message + "; nonfinite_grads='skip' skips such steps instead")
+        self.skipped_steps += 1
+        rank_zero_warn(message + "; the step was skipped on every rank (nonfinite_grads='skip')")
+
+    def _global_norm(self, grads: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """The L2 norm of every rank's gradient shards together (padding excluded), and which ranks' shards hold an
+        inf or NaN: one all-reduce."""
+        stats = torch.zeros(1 + self.comms.world_size, dtype=torch.float32, device=self.comms.device)
+        for dtype in {g.dtype for g in grads}:
+            group = [g for g in grads if g.dtype == dtype and g.numel() > 0]
+            if group:
+                norms = torch._foreach_norm(group, 2, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+                stats[0] += torch.stack(norms).float().square().sum().to(stats.device)
+        stats[1 + self.comms.rank] = (~torch.isfinite(stats[0])).float()
+        self.comms.all_reduce_(stats, "the gradient norm")
+        return stats[0].sqrt(), stats[1:]
+
+
+def scale_(tensors: list[Tensor], factor: Tensor | float, clip_value: float | None) -> None:
+    """Multiply gradient shards by ``factor`` (a device tensor or a float) and clamp them to ``clip_value``."""
+    if tensors and (torch.is_tensor(factor) or factor != 1.0):
+        torch._foreach_mul_(tensors, factor)
+    if clip_value is not None and tensors:
+        torch._foreach_clamp_min_(tensors, -clip_value)
+        torch._foreach_clamp_max_(tensors, clip_value)
+
+
+@torch.no_grad()
+def grad_norms(
+    shards: list[ParamShard], comms: Collectives, norm_type: float = 2.0, group_separator: str = "/"
+) -> dict[str, float]:
+    """What Lightning's ``grad_norm(module, norm_type)`` returns under DDP, from the reduced gradient shards of
+    every rank (one all-reduce): the norm of each parameter's whole gradient and their total."""
+    norm_type = float(norm_type)
+    named = [(s.name, s.param.grad) for s in shards if s.param.grad is not None]
+    if norm_type == float("inf"):
+        parts = torch.stack([g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
+                             for _, g in named]) if named else torch.zeros(0)
+        parts = parts.to(comms.device)
+        comms.all_reduce_(parts, "the gradient norms", op="max")
+        norms = parts
+    else:
+        parts = torch.stack([g.float().abs().pow(norm_type).sum() for _, g in named]) if named else torch.zeros(0)
+        parts = parts.to(comms.device)
+        comms.all_reduce_(parts, "the gradient norms")
+        norms = parts.pow(1.0 / norm_type)
+    values = norms.tolist()
+    out = {f"grad_{norm_type}_norm{group_separator}{name}": v for (name, _), v in zip(named, values)}
+    if values:
+        total = max(values) if norm_type == float("inf") else float(norms.pow(norm_type).sum().pow(1 / norm_type))
+        out[f"grad_{norm_type}_norm_total"] = total
+    return out
