@@ -1,8 +1,13 @@
-"""``strategy=auto``: the least complex of ddp < zero1 < zero2 < zero3 whose model states fit the run's devices.
+"""``strategy=auto``: the least complex of ddp < zero1 < zero2 < zero3 whose model states fit the run's devices, then
+the host offload options, then the disk offload ones.
 
-The choice is ``estimate.recommend``'s (see [Note: what the memory model counts]) against a per-device budget: on CPU
-``AutoStrategy.budget_gb``, on CUDA the free memory of the run's devices, less ``reserve_gb`` either way. Hydra builds
-``AutoStrategy`` for ``strategy=auto`` (conf/strategy/auto.yaml); the command then calls ``choose`` and ``build``.
+The choice is ``estimate.recommend``'s (see [Note: what the memory model counts] and [Note: offload in the memory
+model]) against a per-rank ``estimate.Budget``: on the device, on CPU ``AutoStrategy.budget_gb``, on CUDA the free
+memory of the run's devices, less ``reserve_gb`` either way; in host memory ``host_budget_gb``, by default the
+memory the kernel reports available (``MemAvailable``) shared by the node's ranks; on disk the free space of
+``offload_dir`` shared by the node's ranks. On CPU the device is host memory, so host offload cannot lower what a rank
+holds and only disk offload can help (``Budget.shared_host``). Hydra builds ``AutoStrategy`` for ``strategy=auto``
+(conf/strategy/auto.yaml); the command then calls ``choose`` and ``build``.
 
 [Note: strategy=auto across ranks]
 Ranks started by re-running the command (Lightning's ``popen`` launcher) would each measure free memory again and
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,18 +48,32 @@ class AutoStrategy:
     Args:
         budget_gb: per-device budget in GiB when running on CPU. On CUDA the free memory of the run's devices is used.
         reserve_gb: GiB kept for activations and workspace, subtracted from the budget on CPU and CUDA alike.
+        offload: also consider the offload options when nothing fits the device (host first, then disk).
+        host_budget_gb: host memory per rank in GiB for host offload; ``None``: the memory available on this machine
+            (``MemAvailable``) divided by its ranks.
+        offload_dir: the directory disk offload would write into (its free space, divided by the node's ranks, is the
+            disk budget), passed to the chosen strategy; ``None``: the system's temporary directory.
         bucket_mb, start_method: passed to the chosen strategy.
     """
 
     budget_gb: float = 4.0
     reserve_gb: float = 0.0
+    offload: bool = True
+    host_budget_gb: float | None = None
+    offload_dir: str | None = None
     bucket_mb: float = 25.0
     start_method: str = "popen"
 
     def __post_init__(self) -> None:
         _check_amount("budget_gb", self.budget_gb, "GiB", zero_allowed=False)
         _check_amount("reserve_gb", self.reserve_gb, "GiB", zero_allowed=True)
+        if self.host_budget_gb is not None:
+            _check_amount("host_budget_gb", self.host_budget_gb, "GiB", zero_allowed=False)
         _check_amount("bucket_mb", self.bucket_mb, "MiB", zero_allowed=False)
+        if not isinstance(self.offload, bool):
+            raise AutoStrategyError(f"offload={self.offload!r} is invalid: it must be true or false")
+        if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
+            raise AutoStrategyError(f"offload_dir={self.offload_dir!r} is invalid: it must be a directory path")
 
 
 @dataclass(frozen=True)
@@ -89,15 +110,14 @@ def choose(
             f"allowed values are {', '.join(estimate.PRECISIONS)}"
         )
     indexes = run_devices(accelerator, devices)
-    budget = device_budget(auto, accelerator, indexes)
     recommendation = estimate.recommend(
         counts.total,
         len(indexes) * int(num_nodes),
-        budget,
+        rank_budget(auto, accelerator, indexes),
         precision,
         auto.bucket_mb,
         counts.trainable,
-        options=available_options(),
+        options=available_options(auto.offload),
     )
     if recommendation.choice is None:
         raise AutoStrategyError(f"strategy=auto: {recommendation.explain()}")
@@ -105,20 +125,25 @@ def choose(
 
 
 def build(option: str, auto: AutoStrategy) -> Any:
-    """The Lightning strategy for a chosen option, with ``auto``'s bucket size and start method."""
+    """The Lightning strategy for a chosen option, with ``auto``'s bucket size, start method and offload directory."""
     if option == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(start_method=auto.start_method)
     from lightning_zero import ZeroStrategy
 
-    stage = int(option.removeprefix("zero"))
-    return ZeroStrategy(stage=stage, bucket_mb=auto.bucket_mb, start_method=auto.start_method)
+    options = estimate.LAYOUTS[option].strategy_options()
+    if "disk" in options.values():
+        options["offload_dir"] = auto.offload_dir
+    return ZeroStrategy(**options, bucket_mb=auto.bucket_mb, start_method=auto.start_method)
 
 
-def available_options() -> tuple[str, ...]:
-    """``ddp`` and the ZeRO stages, least complex first."""
-    return ("ddp", *(f"zero{s}" for s in sorted(SUPPORTED_STAGES)))
+def available_options(offload: bool = True) -> tuple[str, ...]:
+    """``ddp`` and the ZeRO stages, then (``offload``) their offload options, least complex first."""
+    return tuple(
+        name for name, layout in estimate.LAYOUTS.items()
+        if (layout.stage == 0 or layout.stage in SUPPORTED_STAGES) and (offload or layout.offload_optimizer is None)
+    )
 
 
 @contextmanager
@@ -143,6 +168,36 @@ def run_devices(accelerator: str, devices: Any) -> list[int]:
     if str(devices) in ("auto", "-1"):
         return list(range(torch.cuda.device_count())) if _on_cuda(accelerator) else [0]
     return list(range(int(devices)))
+
+
+def rank_budget(auto: AutoStrategy, accelerator: str, devices: list[int]) -> estimate.Budget:
+    """What one rank may hold on its device, in host memory and on disk (the last two only with ``auto.offload``)."""
+    device = device_budget(auto, accelerator, devices)
+    if not auto.offload:
+        return estimate.Budget(device)
+    local_ranks = max(1, len(devices))
+    if auto.host_budget_gb is not None:
+        host = int(auto.host_budget_gb * 2**30)
+    else:
+        host = available_host_bytes() // local_ranks
+    where = auto.offload_dir if auto.offload_dir is not None else tempfile.gettempdir()
+    try:
+        disk = shutil.disk_usage(where).free // local_ranks
+    except OSError:  # a directory that does not exist yet: disk offload is not offered (setup would refuse it)
+        disk = None
+    return estimate.Budget(device, max(1, host), disk or None, shared_host=not _on_cuda(accelerator))
+
+
+def available_host_bytes() -> int:
+    """Memory the kernel can give without swapping (``MemAvailable``), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def device_budget(auto: AutoStrategy, accelerator: str, devices: list[int]) -> int:

@@ -1,4 +1,5 @@
-"""The memory model: model-state bytes per rank for DDP and ZeRO stages 1-3, and the least complex option that fits.
+"""The memory model: model-state bytes per rank for DDP, ZeRO stages 1-3 and their offload options, by placement
+(device, host memory, disk), and the least complex option that fits.
 
 [Note: what the memory model counts]
 Model states only, for Adam-like optimizers (two fp32 moments per element, K = 12 in the ZeRO paper), with Ψ parameters
@@ -18,6 +19,19 @@ On top of the model states a ZeRO option holds one communication bucket of ``buc
 bounds the flat buffers a step packs into), or of the size of all parameters when they are fewer. DDP's own gradient
 buckets are not counted, as in the ZeRO paper's 16Ψ. Activations, the one unit that zero3 gathers at a time, the CUDA
 context and allocator fragmentation are not modelled: leave headroom for them in the budget.
+
+[Note: offload in the memory model]
+An offload option (``LAYOUTS``) keeps the optimizer state, always 12 bytes per element there (a separate fp32 master,
+in fp32 runs too, and the two moments), in host memory (``_offload``) or in files (``_offload_disk``), and under
+stage 3 possibly the parameter shards too (``zero3_offload_params``: host; ``zero3_offload_disk``: disk). ZeRO-Offload
+stage 2 in 16-bit: 2Ψ + 2Ψ/N on the device, 12Ψ/N on the host. Besides the states, offload holds host buffers
+(``MemoryEstimate.host_buffers``): one staging copy of the gradient shards (w Ψ_t/N, w the working bytes) and, when
+the working parameters stay on the device, one of the updated rows (w Ψ_t/N) (pinned on CUDA; a CPU run holds
+neither, its gradients being in host memory already: counted anyway, the estimate errs on the safe side); disk
+offload adds the sub-groups it keeps resident (``offload_resident_subgroups`` x ``offload_subgroup_mb`` of fp32
+masters, with their moments and parameter rows: 12 (+ w) bytes per 4 of master), at most everything it has on disk. ``recommend`` checks
+the device budget against the device bytes and buckets, the host budget against the host states and buffers, the disk
+budget against the files.
 """
 
 from __future__ import annotations
@@ -27,17 +41,51 @@ from dataclasses import dataclass
 
 from lightning_zero import config
 
+
+@dataclass(frozen=True)
+class Layout:
+    """What an option shards (``stage``; 0: DDP) and where it offloads (``config.OffloadConfig``'s values)."""
+
+    stage: int
+    offload_optimizer: str | None = None
+    offload_params: str | None = None
+
+    def strategy_options(self) -> dict[str, object]:
+        """``ZeroStrategy`` keyword arguments of a ZeRO option."""
+        options: dict[str, object] = {"stage": self.stage}
+        if self.offload_optimizer is not None:
+            options["offload_optimizer"] = self.offload_optimizer
+        if self.offload_params is not None:
+            options["offload_params"] = self.offload_params
+        return options
+
+
+#: Every option, least complex first within each tier: in-device, then host offload, then disk offload.
+LAYOUTS: dict[str, Layout] = {
+    "ddp": Layout(0),
+    "zero1": Layout(1),
+    "zero2": Layout(2),
+    "zero3": Layout(3),
+    "zero1_offload": Layout(1, "cpu"),
+    "zero2_offload": Layout(2, "cpu"),
+    "zero3_offload": Layout(3, "cpu"),
+    "zero3_offload_params": Layout(3, "cpu", "cpu"),
+    "zero1_offload_disk": Layout(1, "disk"),
+    "zero2_offload_disk": Layout(2, "disk"),
+    "zero3_offload_disk": Layout(3, "disk", "disk"),
+}
 #: The options in order of complexity; ``recommend`` returns the first that fits.
-OPTIONS = ("ddp", "zero1", "zero2", "zero3")
+OPTIONS = tuple(LAYOUTS)
+#: The options that keep every model state on the device.
+IN_DEVICE_OPTIONS = tuple(o for o, layout in LAYOUTS.items() if layout.offload_optimizer is None)
 #: The precision flags ZeroStrategy supports (``config.PRECISIONS``), each modelled from its working dtype.
 PRECISIONS = tuple(config.PRECISIONS)
-#: Which kinds each option shards: (parameters, gradients, optimizer state).
-_SHARDED_KINDS = {
-    "ddp": (False, False, False),
-    "zero1": (False, False, True),
-    "zero2": (False, True, True),
-    "zero3": (True, True, True),
-}
+
+
+def option_name(stage: int, offload_optimizer: str | None = None, offload_params: str | None = None) -> str | None:
+    """The option of ``LAYOUTS`` with these settings (``stage`` 0: DDP), or None if the model has none."""
+    wanted = Layout(stage, offload_optimizer, offload_params)
+    return next((name for name, layout in LAYOUTS.items() if layout == wanted), None)
 
 
 class EstimateError(ValueError):
@@ -46,7 +94,11 @@ class EstimateError(ValueError):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds for one option (the rank with the largest shard when a kind does not divide evenly)."""
+    """Bytes one rank holds for one option (the rank with the largest shard when a kind does not divide evenly).
+
+    ``params``, ``grads`` and ``optimizer`` count each kind wherever it lives; ``host`` and ``disk`` say how many of
+    those bytes live in host memory and in files (see [Note: offload in the memory model]).
+    """
 
     option: str
     ranks: int
@@ -54,6 +106,10 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     buckets: int
+    host: int = 0
+    disk: int = 0
+    #: Host memory offload needs besides the states: staging buffers, disk offload's resident sub-groups.
+    host_buffers: int = 0
 
     @property
     def model_states(self) -> int:
@@ -61,7 +117,67 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """Model states wherever they live, and the buckets."""
         return self.model_states + self.buckets
+
+    @property
+    def device(self) -> int:
+        """What the training device holds: the model states not offloaded, and the buckets."""
+        return self.total - self.host - self.disk
+
+    @property
+    def host_total(self) -> int:
+        """What host memory holds for the model states: the offloaded states and the offload's buffers."""
+        return self.host + self.host_buffers
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes one rank may use on its device, in host memory and on disk (None: that placement is not offered, so the
+    options that need it are not considered).
+
+    ``shared_host``: the device is host memory (a CPU run), so the device and host bytes of an option count against
+    ``device`` together: host offload cannot lower such a run's memory, disk offload can.
+    """
+
+    device: int
+    host: int | None = None
+    disk: int | None = None
+    shared_host: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("device", "host", "disk"):
+            value = getattr(self, name)
+            if value is None and name != "device":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                field = "budget_bytes" if name == "device" else f"{name}_budget_bytes"
+                raise EstimateError(f"{field}={value!r} is invalid: it must be > 0")
+
+    def offers(self, e: MemoryEstimate) -> bool:
+        """Whether every placement ``e`` needs has a budget."""
+        needs_host = e.host_total > 0 and not self.shared_host
+        return not (needs_host and self.host is None or e.disk > 0 and self.disk is None)
+
+    def fits(self, e: MemoryEstimate) -> bool:
+        on_device = e.device + (e.host_total if self.shared_host else 0)
+        if not self.offers(e) or on_device > self.device:
+            return False
+        host_ok = self.shared_host or e.host_total == 0 or e.host_total <= self.host
+        return host_ok and (e.disk == 0 or e.disk <= self.disk)
+
+    def describe(self, e: MemoryEstimate) -> str:
+        """``e``'s bytes against this budget, placement by placement."""
+        fmt = format_bytes
+        if self.shared_host and e.host_total:
+            parts = [f"{fmt(e.device + e.host_total)} of {fmt(self.device)} of memory (device and host are one)"]
+        else:
+            parts = [f"{fmt(e.device)} of {fmt(self.device)} on the device"]
+            if e.host_total:
+                parts.append(f"{fmt(e.host_total)} of {fmt(self.host)} of host memory")
+        if e.disk:
+            parts.append(f"{fmt(e.disk)} of {fmt(self.disk)} on disk")
+        return ", ".join(parts) + " per rank"
 
 
 @dataclass(frozen=True)
@@ -69,28 +185,53 @@ class Recommendation:
     """The least complex option whose estimate fits the per-rank budget, or ``choice=None`` when none does."""
 
     choice: str | None
-    budget_bytes: int
+    budget: Budget
     estimates: tuple[MemoryEstimate, ...]
     #: When nothing fits: the fewest ranks at which the most sharded option considered would fit (None if no number
     #: of ranks would, because the unsharded part alone exceeds the budget). None when something fits.
     min_ranks: int | None = None
 
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget.device
+
     def explain(self) -> str:
+        considered = [e for e in self.estimates if self.budget.offers(e)]
         if self.choice is not None:
             chosen = next(e for e in self.estimates if e.option == self.choice)
-            return (
-                f"{self.choice}: the least complex option that fits ({format_bytes(chosen.total)} of "
-                f"{format_bytes(self.budget_bytes)} per rank)"
+            if chosen.option in IN_DEVICE_OPTIONS:
+                return (
+                    f"{self.choice}: the least complex option that fits ({format_bytes(chosen.device)} of "
+                    f"{format_bytes(self.budget.device)} per rank)"
+                )
+            return f"{self.choice}: the least complex option that fits ({self.budget.describe(chosen)}); " + _why_not(
+                considered[: considered.index(chosen)], self.budget, chosen.option
             )
-        most_sharded = self.estimates[-1]
+        most_sharded = considered[-1]
         ranks = f"{most_sharded.ranks} rank" + ("s" if most_sharded.ranks != 1 else "")
-        line = (
-            f"nothing fits: {most_sharded.option} needs {format_bytes(most_sharded.total)} per rank on {ranks}, "
-            f"the budget is {format_bytes(self.budget_bytes)}"
-        )
+        if most_sharded.option in IN_DEVICE_OPTIONS:
+            line = (
+                f"nothing fits: {most_sharded.option} needs {format_bytes(most_sharded.device)} per rank on {ranks}, "
+                f"the budget is {format_bytes(self.budget.device)}"
+            )
+        else:
+            line = f"nothing fits: {most_sharded.option} needs {self.budget.describe(most_sharded)} on {ranks}"
         if self.min_ranks is None:
             return line + "; no number of ranks fits, because its unsharded part alone exceeds the budget"
         return line + f"; {most_sharded.option} fits on {self.min_ranks} ranks or more"
+
+
+def _why_not(rejected: list[MemoryEstimate], budget: Budget, chosen: str) -> str:
+    """Why the less complex tiers were passed over (no offload, host, disk), each by its most sharded option."""
+    tiers: dict[str | None, MemoryEstimate] = {}
+    for e in rejected:
+        tiers[LAYOUTS[e.option].offload_optimizer] = e
+    tiers.pop(LAYOUTS[chosen].offload_optimizer, None)
+    tiers = {"no offload" if tier is None else tier: e for tier, e in tiers.items()}
+    names = {"no offload": "without offload", "cpu": "with host offload", "disk": "with disk offload"}
+    return "; ".join(
+        f"nothing {names[tier]} fits ({e.option} needs {budget.describe(e)})" for tier, e in tiers.items()
+    )
 
 
 def estimate(
@@ -100,23 +241,49 @@ def estimate(
     precision: str = "32-true",
     bucket_mb: float = 25.0,
     trainable_params: int | None = None,
+    offload: config.OffloadConfig | None = None,
 ) -> MemoryEstimate:
-    """Model-state bytes per rank for ``option`` (see [Note: what the memory model counts])."""
+    """Model-state bytes per rank for ``option`` (see [Note: what the memory model counts] and [Note: offload in the
+    memory model]); ``offload`` gives disk offload's sub-group settings (default: ``OffloadConfig()``'s)."""
     _check_choice("option", option, OPTIONS)
     _check_choice("precision", precision, PRECISIONS)
     trainable = _check_counts(num_params, ranks, trainable_params)
     if not 0 <= bucket_mb < math.inf:
         raise EstimateError(f"bucket_mb={bucket_mb!r} is invalid: it must be a finite number of MiB >= 0")
+    layout = LAYOUTS[option]
     param_b, grad_b, optim_b = _bytes_per_element(precision)
-    shard_params, shard_grads, shard_optim = _SHARDED_KINDS[option]
+    if layout.offload_optimizer is not None:
+        optim_b = 12  # a separate fp32 master, in fp32 runs too, and the two moments
+    param_elements = _elements_per_rank(num_params, ranks, layout.stage >= 3)
+    grad_elements = _elements_per_rank(trainable, ranks, layout.stage >= 2)
+    optim_elements = _elements_per_rank(trainable, ranks, layout.stage >= 1)
+    params, optimizer = param_b * param_elements, optim_b * optim_elements
+    placed = {"cpu": 0, "disk": 0, None: 0}
+    placed[layout.offload_optimizer] += optimizer
+    placed[layout.offload_params] += params
     return MemoryEstimate(
         option=option,
         ranks=ranks,
-        params=param_b * _elements_per_rank(num_params, ranks, shard_params),
-        grads=grad_b * _elements_per_rank(trainable, ranks, shard_grads),
-        optimizer=optim_b * _elements_per_rank(trainable, ranks, shard_optim),
+        params=params,
+        grads=grad_b * grad_elements,
+        optimizer=optimizer,
         buckets=0 if option == "ddp" else min(int(bucket_mb * 2**20), param_b * num_params),
+        host=placed["cpu"],
+        disk=placed["disk"],
+        host_buffers=_host_buffers(layout, param_b, optim_elements, placed["disk"], offload or config.OffloadConfig()),
     )
+
+
+def _host_buffers(layout: Layout, working: int, elements: int, on_disk: int, offload: config.OffloadConfig) -> int:
+    """Offload's staging copies and disk offload's resident sub-groups (see [Note: offload in the memory model])."""
+    if layout.offload_optimizer is None:
+        return 0
+    staging = working * elements * (1 if layout.offload_params is not None else 2)
+    if layout.offload_optimizer != "disk":
+        return staging
+    per_master_byte = (12 + (working if layout.offload_params == "disk" else 0)) / 4
+    resident = int(offload.offload_resident_subgroups * offload.subgroup_bytes * per_master_byte)
+    return staging + min(resident, on_disk)
 
 
 def estimate_all(
@@ -126,35 +293,48 @@ def estimate_all(
     bucket_mb: float = 25.0,
     trainable_params: int | None = None,
     options: tuple[str, ...] = OPTIONS,
+    offload: config.OffloadConfig | None = None,
 ) -> tuple[MemoryEstimate, ...]:
-    return tuple(estimate(o, num_params, ranks, precision, bucket_mb, trainable_params) for o in options)
+    return tuple(estimate(o, num_params, ranks, precision, bucket_mb, trainable_params, offload) for o in options)
 
 
 def recommend(
     num_params: int,
     ranks: int,
-    budget_bytes: int,
+    budget: int | Budget,
     precision: str = "32-true",
     bucket_mb: float = 25.0,
     trainable_params: int | None = None,
     options: tuple[str, ...] = OPTIONS,
+    offload: config.OffloadConfig | None = None,
 ) -> Recommendation:
-    """The first of ``options`` (least complex first: ddp < zero1 < zero2 < zero3) whose total fits ``budget_bytes``.
+    """The first of ``options`` (least complex first: ddp < zero1 < zero2 < zero3, then host offload, then disk
+    offload) whose bytes fit ``budget``: a ``Budget``, or the device bytes alone (no offload considered).
 
-    ``options`` restricts the choice, e.g. to the stages implemented in this release.
+    ``options`` restricts the choice, e.g. to the stages implemented in this release. An option is considered only
+    when every placement it needs has a budget (``Budget.offers``).
     """
     if not options:
         raise EstimateError(f"options=() is invalid: name at least one of {', '.join(OPTIONS)}")
-    if not budget_bytes > 0:
-        raise EstimateError(f"budget_bytes={budget_bytes!r} is invalid: it must be > 0")
+    if not isinstance(budget, Budget):
+        budget = Budget(budget)
     ordered = tuple(o for o in OPTIONS if o in options)
-    estimates = estimate_all(num_params, ranks, precision, bucket_mb, trainable_params, ordered)
+    estimates = estimate_all(num_params, ranks, precision, bucket_mb, trainable_params, ordered, offload)
     for e in estimates:
-        if e.total <= budget_bytes:
-            return Recommendation(e.option, budget_bytes, estimates)
-    most_sharded = estimates[-1].option
-    min_ranks = _min_ranks_to_fit(most_sharded, num_params, budget_bytes, precision, bucket_mb, trainable_params)
-    return Recommendation(None, budget_bytes, estimates, min_ranks)
+        if budget.fits(e):
+            return Recommendation(e.option, budget, estimates)
+    considered = [e for e in estimates if budget.offers(e)]
+    if not considered:
+        raise EstimateError(
+            f"options={options!r} is invalid for this budget: each needs host memory or disk, and the budget offers "
+            "neither"
+        )
+
+    def fits_at(n: int) -> bool:
+        return budget.fits(estimate(considered[-1].option, num_params, n, precision, bucket_mb, trainable_params,
+                                    offload))
+
+    return Recommendation(None, budget, estimates, _min_ranks_to_fit(fits_at, ranks))
 
 
 def communication_bytes(
@@ -169,7 +349,7 @@ def communication_bytes(
     """
     _check_choice("option", option, OPTIONS)
     trainable = _check_counts(num_params, ranks, trainable_params)
-    elements = 2 * num_params + trainable if option == "zero3" else 2 * trainable
+    elements = 2 * num_params + trainable if LAYOUTS[option].stage == 3 else 2 * trainable
     return elements * element_bytes * (ranks - 1) // ranks
 
 
@@ -210,19 +390,17 @@ def _elements_per_rank(elements: int, ranks: int, sharded: bool) -> int:
     return -(-elements // ranks) if sharded else elements
 
 
-def _min_ranks_to_fit(
-    option: str, num_params: int, budget_bytes: int, precision: str, bucket_mb: float, trainable: int | None
-) -> int | None:
-    at_one = estimate(option, num_params, 1, precision, bucket_mb, trainable)
-    kinds = (at_one.params, at_one.grads, at_one.optimizer)
-    sharded = sum(b for b, is_sharded in zip(kinds, _SHARDED_KINDS[option]) if is_sharded)
-    fixed = at_one.total - sharded
-    if sharded == 0 or fixed >= budget_bytes:
+def _min_ranks_to_fit(fits_at, ranks: int) -> int | None:
+    """The fewest ranks above ``ranks`` at which ``fits_at`` holds (bytes per rank only fall as ranks grow), or None
+    if even 2^40 ranks would not do: the unsharded part alone exceeds the budget."""
+    high = 2**40
+    if not fits_at(high):
         return None
-    ranks = max(1, math.ceil(sharded / (budget_bytes - fixed)))
-    while estimate(option, num_params, ranks, precision, bucket_mb, trainable).total > budget_bytes:
-        ranks += 1
-    return ranks
+    low = ranks  # does not fit
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits_at(middle) else (middle, high)
+    return high
 
 
 def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -245,18 +423,38 @@ def _check_counts(num_params: int, ranks: int, trainable_params: int | None) -> 
 
 
 def format_table(
-    what: str, total: int, trainable: int, ranks: int, precision: str, estimates: tuple, budget: int | None
+    what: str, total: int, trainable: int, ranks: int, precision: str, estimates: tuple, budget: Budget | None
 ) -> str:
-    """The ``lightning-zero estimate`` table: one row per option, with whether it fits ``budget``."""
+    """The ``lightning-zero estimate`` table: one row per option, its bytes by kind and by placement, and whether it
+    fits ``budget`` ("-": it needs host memory or disk the budget does not offer)."""
     frozen = f", {trainable:,} trainable" if trainable != total else ""
-    head = f"{'option':<8}{'params':>12}{'grads':>12}{'optimizer':>12}{'buckets':>12}{'total':>12}"
+    kinds = ("params", "grads", "optimizer", "buckets", "device", "host", "disk")
+    head = f"{'option':<22}" + "".join(f"{k:>11}" for k in kinds)
     lines = [
         f"{what}{frozen}, {ranks} ranks, precision {precision}: model states per rank (Adam; activations not included)",
         "",
-        head + ("  fits " + format_bytes(budget) if budget is not None else ""),
+        head + ("  fits" if budget is not None else ""),
     ]
     for e in estimates:
-        cells = [format_bytes(b) for b in (e.params, e.grads, e.optimizer, e.buckets, e.total)]
-        fits = ("  yes" if e.total <= budget else "  no") if budget is not None else ""
-        lines.append(f"{e.option:<8}" + "".join(f"{c:>12}" for c in cells) + fits)
+        cells = [format_bytes(b) for b in (e.params, e.grads, e.optimizer, e.buckets, e.device, e.host_total, e.disk)]
+        fits = ""
+        if budget is not None:
+            fits = "  " + ("yes" if budget.fits(e) else "no" if budget.offers(e) else "-")
+        lines.append(f"{e.option:<22}" + "".join(f"{c:>11}" for c in cells) + fits)
+    lines += [
+        "",
+        "params, grads, optimizer: each kind wherever it lives; device: what stays on the device, buckets included;",
+        "host: offloaded states and offload's host buffers (staging, disk offload's resident sub-groups)",
+    ]
+    if budget is not None:
+        lines.append("budget per rank: " + _describe_budget(budget))
     return "\n".join(lines)
+
+
+def _describe_budget(budget: Budget) -> str:
+    def amount(value: int | None) -> str:
+        return "not offered" if value is None else format_bytes(value)
+
+    if budget.shared_host:
+        return f"{format_bytes(budget.device)} of memory (the device is host memory), disk {amount(budget.disk)}"
+    return f"device {format_bytes(budget.device)}, host {amount(budget.host)}, disk {amount(budget.disk)}"

@@ -1,9 +1,10 @@
 """ZeroMonitor: what a run costs per rank, for any data-parallel strategy.
 
 Per training step it measures the model-state bytes each rank holds (parameters, gradients, optimizer states, counted
-from the tensors by ``lightning_zero.memory``), the bytes the strategy's collectives moved (``strategy.comm_stats``,
-when the strategy keeps one) and the throughput; it logs them through ``pl_module.log`` to whatever logger the Trainer
-has, and sets them against the memory model of ``estimate.py``: what this option should hold, and what DDP would.
+from the tensors by ``lightning_zero.memory``, and where they live: device, host memory, disk), the bytes the
+strategy's collectives moved (``strategy.comm_stats``, when the strategy keeps one) and the throughput; it logs them
+through ``pl_module.log`` to whatever logger the Trainer has, and sets them against the memory model of
+``estimate.py``: what this option should hold, and what DDP would.
 
 [Note: where the report comes from]
 Every rank measures; at the end of training rank 0 owns the summary (the memory figures are the largest over ranks).
@@ -45,7 +46,8 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class MonitorSummary:
-    """The figures of one run. Memory is the largest over ranks; ``(params, grads, optimizer)`` byte triples."""
+    """The figures of one run. Memory is the largest over ranks; ``(params, grads, optimizer)`` byte triples, and
+    ``(device, host, disk)`` ones for where they live (each placement's largest over ranks)."""
 
     option: str | None
     precision: str
@@ -62,6 +64,8 @@ class MonitorSummary:
     throughput: float | None
     throughput_unit: str
     steps_timed: int
+    placement: tuple[int, int, int] | None = None
+    predicted_placement: tuple[int, int, int] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -69,8 +73,8 @@ class MonitorSummary:
     @classmethod
     def from_json(cls, text: str) -> MonitorSummary:
         raw = json.loads(text)
-        for key in ("held", "predicted", "ddp"):
-            if raw[key] is not None:
+        for key in ("held", "predicted", "ddp", "placement", "predicted_placement"):
+            if raw.get(key) is not None:
                 raw[key] = tuple(raw[key])
         return cls(**raw)
 
@@ -87,7 +91,7 @@ class ZeroMonitor(pl.Callback):
         self.summary_file = Path(summary_file) if summary_file is not None else None
         self.summary: MonitorSummary | None = None
         self._steps: list[StepRecord] = []
-        self._held: tuple[int, int, int] | None = None
+        self._held: tuple[int, ...] | None = None
         self._step_start: tuple[float, int | None] | None = None
         self._items = 0
         self._last_global_step = 0
@@ -150,6 +154,9 @@ class ZeroMonitor(pl.Callback):
             "zero/grads_bytes": held.grads,
             "zero/optimizer_bytes": held.optimizer,
             "zero/model_state_bytes": held.total,
+            "zero/device_bytes": held.device,
+            "zero/host_bytes": held.host,
+            "zero/disk_bytes": held.disk,
             f"zero/{self._unit.replace('/', '_per_')}": step.items * world_size / step.seconds,
         }
         if step.comm_bytes is not None:
@@ -176,6 +183,10 @@ def format_report(s: MonitorSummary) -> str:
         f"  measured / DDP: {sum(s.held) / sum(s.ddp):.2f}x"
         + (f"; plus up to {fmt(s.bucket_bytes)} of communication buckets" if s.bucket_bytes else "")
     )
+    if s.placement is not None:
+        lines.append("  where they live per rank: " + _placement(s.placement, fmt))
+        if s.predicted_placement is not None:
+            lines.append(f"  {'model (' + option + ')':>24}: " + _placement(s.predicted_placement, fmt))
     if s.comm_bytes_per_step is None:
         lines.append("  communication per step: not counted (the strategy keeps no comm_stats)")
     else:
@@ -190,10 +201,14 @@ def format_report(s: MonitorSummary) -> str:
     return "\n".join(lines)
 
 
+def _placement(bytes_: tuple[int, int, int], fmt: Any) -> str:
+    return ", ".join(f"{name} {fmt(b)}" for name, b in zip(("device", "host", "disk"), bytes_))
+
+
 def _summarize(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
-    held: tuple[int, int, int],
+    held: tuple[int, ...],
     steps: list[StepRecord],
     unit: str,
 ) -> MonitorSummary:
@@ -201,12 +216,14 @@ def _summarize(
     precision = str(trainer.precision)
     n = trainer.world_size
     num_params, trainable = _parameter_counts(pl_module)
-    model = None
+    model = placement = None
     bucket_bytes = 0
-    if option is not None and precision in estimate.PRECISIONS:
-        bucket_mb = trainer.strategy.config.comm.bucket_mb if option.startswith("zero") else 0.0
-        e = estimate.estimate(option, num_params, n, precision, bucket_mb, trainable)
+    if option in estimate.LAYOUTS and precision in estimate.PRECISIONS:
+        config = getattr(trainer.strategy, "config", None)
+        bucket_mb = config.comm.bucket_mb if option.startswith("zero") else 0.0
+        e = estimate.estimate(option, num_params, n, precision, bucket_mb, trainable, getattr(config, "offload", None))
         model, bucket_bytes = (e.params, e.grads, e.optimizer), e.buckets
+        placement = (e.device - e.buckets, e.host, e.disk)  # model states only, as measured
     ddp = estimate.estimate("ddp", num_params, n, _DDP_PRECISION, 0.0, trainable)
     # The first step pays one-off costs (allocating optimizer states and buffers): time the later ones when any.
     timed = steps[1:] or steps
@@ -214,7 +231,7 @@ def _summarize(
     element_bytes = next((p.element_size() for p in pl_module.parameters() if p.requires_grad), 4)
     ideal = (
         estimate.communication_bytes(option, num_params, n, element_bytes, trainable)
-        if option is not None and comm
+        if option in estimate.LAYOUTS and comm
         else None
     )
     return MonitorSummary(
@@ -224,7 +241,7 @@ def _summarize(
         steps=len(steps),
         num_params=num_params,
         trainable_params=trainable,
-        held=held,
+        held=held[:3],
         predicted=model,
         bucket_bytes=bucket_bytes,
         ddp=(ddp.params, ddp.grads, ddp.optimizer),
@@ -233,14 +250,22 @@ def _summarize(
         throughput=statistics.median(s.items * n / s.seconds for s in timed),
         throughput_unit=unit,
         steps_timed=len(timed),
+        placement=held[3:],
+        predicted_placement=placement,
     )
 
 
 def option_of(strategy: pl.strategies.Strategy) -> str | None:
-    """``"ddp"``, ``"zero1"``..``"zero3"`` for the strategies the memory model knows, else ``None``."""
+    """The option of the memory model (``estimate.LAYOUTS``: ``"ddp"``, ``"zero2"``, ``"zero3_offload_disk"``...) a
+    strategy runs, else ``None``."""
     config = getattr(strategy, "config", None)
     if isinstance(config, ZeroConfig):
-        return f"zero{config.stage}"
+        offload = config.offload
+        name = estimate.option_name(config.stage, offload.offload_optimizer, offload.offload_params)
+        if name is None:  # a combination the memory model has no option for: named by its settings
+            name = (f"zero{config.stage} (offload_optimizer={offload.offload_optimizer}, "
+                    f"offload_params={offload.offload_params})")
+        return name
     if isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
         return "ddp"
     return None
@@ -266,8 +291,10 @@ def _held_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ModelStat
 
 def _largest_over_ranks(
     trainer: pl.Trainer, pl_module: pl.LightningModule, held: ModelStateBytes
-) -> tuple[int, int, int]:
-    local = torch.tensor([held.params, held.grads, held.optimizer], dtype=torch.int64, device=pl_module.device)
+) -> tuple[int, ...]:
+    """(params, grads, optimizer, device, host, disk), each the largest over ranks."""
+    figures = [held.params, held.grads, held.optimizer, held.device, held.host, held.disk]
+    local = torch.tensor(figures, dtype=torch.int64, device=pl_module.device)
     largest = trainer.strategy.reduce(local, reduce_op="max")
     return tuple(int(v) for v in largest.tolist())
 

@@ -1,12 +1,15 @@
 """``lightning-zero estimate``: the memory model of ``lightning_zero.estimate`` for a parameter count, a model config
-or a recipe, and the least complex option that fits a per-device budget."""
+or a recipe, by placement (device, host, disk), and the least complex option that fits a per-rank budget."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import shutil
+import tempfile
 
 from lightning_zero import estimate
+from lightning_zero.auto import available_host_bytes
 from lightning_zero.cli.compose import compose, instantiate
 from lightning_zero.cli.errors import UsageError
 
@@ -14,9 +17,11 @@ from lightning_zero.cli.errors import UsageError
 def add_estimate(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "estimate",
-        help="model-state memory per rank for ddp and zero1/2/3, and the least complex option that fits",
+        help="model-state memory per rank for ddp, zero1/2/3 and their offload options, and the least complex option "
+        "that fits",
         description="Model-state bytes per rank (parameters, gradients, Adam states; activations not included) for "
-        "ddp and ZeRO stages 1-3, and the least complex option that fits a per-device budget.",
+        "ddp, ZeRO stages 1-3 and their host and disk offload options, on the device, in host memory and on disk, and "
+        "the least complex option that fits a per-rank budget: without offload first, then host, then disk.",
     )
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", help="parameter count, e.g. 350000, 125M, 1.3B, 7e9")
@@ -32,6 +37,23 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
         default=None,
         help="per-device budget in GiB (2^30 bytes); default: the free memory of GPU 0 when there is one",
     )
+    parser.add_argument(
+        "--host-budget-gb",
+        type=float,
+        default=None,
+        help="host memory per rank in GiB for the offload options; default: this machine's available memory "
+        "(MemAvailable) divided by --ranks-per-node",
+    )
+    parser.add_argument(
+        "--disk-budget-gb",
+        type=float,
+        default=None,
+        help="disk space per rank in GiB for disk offload; default: the free space of --offload-dir divided by "
+        "--ranks-per-node",
+    )
+    parser.add_argument("--offload-dir", default=None, help="where disk offload would write (default: temp directory)")
+    parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one host (default: --ranks)")
+    parser.add_argument("--no-offload", action="store_true", help="consider only the options without offload")
     parser.set_defaults(run=estimate_command)
 
 
@@ -41,10 +63,11 @@ def estimate_command(args: argparse.Namespace) -> int:
     try:
         if args.trainable is not None:
             trainable = estimate.parse_count(args.trainable)
-        budget = _estimate_budget(args.budget_gb)
-        estimates = estimate.estimate_all(total, ranks, args.precision, args.bucket_mb, trainable)
+        options = estimate.IN_DEVICE_OPTIONS if args.no_offload else estimate.OPTIONS
+        budget = _rank_budget(args, ranks)
+        estimates = estimate.estimate_all(total, ranks, args.precision, args.bucket_mb, trainable, options)
         recommendation = (
-            estimate.recommend(total, ranks, budget, args.precision, args.bucket_mb, trainable)
+            estimate.recommend(total, ranks, budget, args.precision, args.bucket_mb, trainable, options)
             if budget is not None
             else None
         )
@@ -71,6 +94,29 @@ def _estimate_size(args: argparse.Namespace) -> tuple[int, int, str]:
     return counts.total, counts.trainable, f"{what} ({counts.total:,} parameters)"
 
 
+def _rank_budget(args: argparse.Namespace, ranks: int) -> estimate.Budget | None:
+    """The device budget, and with offload the host and disk budgets per rank (None: no device budget known)."""
+    device = _estimate_budget(args.budget_gb)
+    if device is None:
+        return None
+    if args.no_offload:
+        return estimate.Budget(device)
+    per_node = args.ranks_per_node if args.ranks_per_node is not None else ranks
+    if per_node < 1:
+        raise UsageError(f"--ranks-per-node={per_node} is invalid: it must be an integer >= 1")
+    host = _gib_argument("--host-budget-gb", args.host_budget_gb)
+    if host is None:
+        host = max(1, available_host_bytes() // per_node)
+    disk = _gib_argument("--disk-budget-gb", args.disk_budget_gb)
+    if disk is None:
+        where = args.offload_dir if args.offload_dir is not None else tempfile.gettempdir()
+        try:
+            disk = shutil.disk_usage(where).free // per_node or None
+        except OSError as err:
+            raise UsageError(f"--offload-dir={where!r} is invalid: {err.strerror}") from None
+    return estimate.Budget(device, host, disk)
+
+
 def _estimate_budget(budget_gb: float | None) -> int | None:
     import torch
 
@@ -78,12 +124,18 @@ def _estimate_budget(budget_gb: float | None) -> int | None:
 
     if budget_gb is None:
         return cuda_free_bytes(0) if torch.cuda.is_available() else None
+    return _gib_argument("--budget-gb", budget_gb)
+
+
+def _gib_argument(flag: str, value: float | None) -> int | None:
+    if value is None:
+        return None
     # inf would overflow the byte count and nan compares false with everything: both are refused here.
-    if not 0 < budget_gb < math.inf:
-        raise UsageError(f"--budget-gb={budget_gb} is invalid: it must be a number of GiB > 0 and finite")
-    if budget_gb * 2**30 < 1:
-        raise UsageError(f"--budget-gb={budget_gb} is invalid: it must be at least one byte (2^-30 GiB)")
-    return int(budget_gb * 2**30)
+    if not 0 < value < math.inf:
+        raise UsageError(f"{flag}={value} is invalid: it must be a number of GiB > 0 and finite")
+    if value * 2**30 < 1:
+        raise UsageError(f"{flag}={value} is invalid: it must be at least one byte (2^-30 GiB)")
+    return int(value * 2**30)
 
 
 def _default_ranks() -> int:

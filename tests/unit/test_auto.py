@@ -8,7 +8,7 @@ import os
 import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_zero import ZeroStrategy, auto
+from lightning_zero import ZeroStrategy, auto, config
 from lightning_zero.auto import AUTO_ENV, AutoChoice, AutoStrategy, AutoStrategyError
 from lightning_zero.models.language_model import ParameterCounts
 
@@ -48,7 +48,8 @@ def test_nothing_fits_names_the_ranks_that_would():
     # zero3 holds 16000/N + 1024 bytes: 9024 on 2 ranks, 5024 <= 5120 on 4.
     expected = r"^strategy=auto: nothing fits: zero3 needs .* zero3 fits on 4 ranks or more$"
     with pytest.raises(AutoStrategyError, match=expected):
-        auto.choose(AutoStrategy(budget_gb=5 * KIB, bucket_mb=BUCKET_MB), PSI, "32-true", accelerator="cpu", devices=2)
+        auto.choose(AutoStrategy(budget_gb=5 * KIB, bucket_mb=BUCKET_MB, offload=False), PSI, "32-true",
+                    accelerator="cpu", devices=2)
 
 
 def test_a_rerun_rank_takes_the_launching_process_choice(monkeypatch):
@@ -73,7 +74,17 @@ def test_build_gives_the_chosen_strategy_with_the_auto_settings():
     assert (zero.config.stage, zero.config.comm.bucket_mb, zero._start_method) == (3, 7.0, "fork")
     ddp = auto.build("ddp", settings)
     assert type(ddp) is DDPStrategy and ddp._start_method == "fork"
-    assert auto.available_options() == ("ddp", "zero1", "zero2", "zero3")
+    assert auto.available_options(offload=False) == ("ddp", "zero1", "zero2", "zero3")
+    assert auto.available_options() == (
+        "ddp", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload", "zero3_offload_params",
+        "zero1_offload_disk", "zero2_offload_disk", "zero3_offload_disk",
+    )
+    disk = auto.build("zero3_offload_disk", AutoStrategy(offload_dir="/somewhere"))
+    assert disk.config.offload == config.OffloadConfig(
+        offload_optimizer="disk", offload_params="disk", offload_dir="/somewhere"
+    )
+    host = auto.build("zero3_offload_params", settings).config
+    assert (host.stage, host.offload.offload_optimizer, host.offload.offload_params) == (3, "cpu", "cpu")
 
 
 @pytest.mark.parametrize(("devices", "indexes"), [(2, [0, 1]), ([1, 3], [1, 3]), ("auto", [0]), ("-1", [0])])
@@ -108,3 +119,67 @@ def test_unsupported_precision_and_unknown_size_are_refused():
         auto.choose(AutoStrategy(), PSI, "64-true", accelerator="cpu", devices=2)
     with pytest.raises(AutoStrategyError, match=r"^strategy=auto needs the model's parameter count"):
         auto.choose(AutoStrategy(), None, "32-true", accelerator="cpu", devices=2)
+
+
+# ------------------------------------------------------------------------------------------------------- offload
+BILLION = ParameterCounts(total=10**9, trainable=10**9)
+GIB = 2**30
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A CUDA run on 2 devices with 6 GiB free each and 40 GiB of host memory available, without a GPU."""
+    monkeypatch.setattr(auto, "_on_cuda", lambda accelerator: True)
+    monkeypatch.setattr(auto, "cuda_free_bytes", lambda device: 6 * GIB)
+    monkeypatch.setattr(auto, "available_host_bytes", lambda: 40 * GIB)
+
+
+def test_on_cuda_host_offload_comes_after_the_device_and_before_disk(two_gpus, tmp_path):
+    # 10^9 parameters, 16-bit, 2 ranks: zero3 needs 16Ψ/2 = 7.45 GiB > 6 GiB. zero1_offload keeps 2Ψ + 2Ψ = 3.73 GiB on
+    # the device and needs 12Ψ/2 = 5.59 GiB of host states plus 2 x 2Ψ/2 = 1.86 GiB of staging: 7.45 GiB, within the
+    # 40/2 = 20 GiB each rank gets of host memory.
+    choice = auto.choose(AutoStrategy(offload_dir=str(tmp_path)), BILLION, "bf16-mixed", accelerator="cuda",
+                         devices=[0, 1])
+    assert choice.option == "zero1_offload"
+    assert choice.reason.startswith(
+        "zero1_offload: the least complex option that fits (3.75 GiB of 6.00 GiB on the device, 7.45 GiB of 20.00 GiB "
+        "of host memory per rank); nothing without offload fits (zero3 needs 7.47 GiB of 6.00 GiB on the device"
+    )
+    # With 7 GiB of host memory per rank no host offload fits (zero3_offload_params: 14Ψ/2 + 2Ψ/2 = 7.45 GiB), and
+    # zero1_offload_disk keeps 3 sub-groups of 256 MiB of masters resident: 3 x 256 MiB x 3 + 1.86 GiB = 4.11 GiB.
+    choice = auto.choose(AutoStrategy(host_budget_gb=7.0, offload_dir=str(tmp_path)), BILLION, "bf16-mixed",
+                         accelerator="cuda", devices=[0, 1])
+    assert choice.option == "zero1_offload_disk"
+    assert "4.11 GiB of 7.00 GiB of host memory" in choice.reason
+    assert "nothing with host offload fits (zero3_offload_params needs" in choice.reason
+
+
+def test_disk_offload_is_not_offered_without_its_directory(two_gpus, tmp_path):
+    settings = AutoStrategy(host_budget_gb=7.0, offload_dir=str(tmp_path / "missing"))
+    with pytest.raises(AutoStrategyError, match=r"^strategy=auto: nothing fits: zero3_offload_params needs "):
+        auto.choose(settings, BILLION, "bf16-mixed", accelerator="cuda", devices=[0, 1])
+
+
+def test_on_cpu_only_disk_offload_lowers_what_a_rank_holds(tmp_path):
+    # fp32, 10^9 parameters, 2 ranks, 25 MiB bucket: zero3 holds 16Ψ/2 + 25 MiB = 7.47 GiB. The device is host memory,
+    # so host offload adds to it; zero3_offload_disk keeps the gradient shards (4Ψ/2 = 1.86 GiB), the bucket, their
+    # staging (1.86 GiB, counted though a CPU run holds none) and 3 resident sub-groups of 256 MiB of masters
+    # (3 x 256 MiB x 16/4 = 3 GiB): 6.75 GiB.
+    settings = AutoStrategy(budget_gb=7.0, offload_dir=str(tmp_path))
+    choice = auto.choose(settings, BILLION, "32-true", accelerator="cpu", devices=2)
+    assert choice.option == "zero3_offload_disk"
+    assert choice.reason.startswith(
+        "zero3_offload_disk: the least complex option that fits (6.75 GiB of 7.00 GiB of memory (device and host are "
+        "one), 7.45 GiB of "
+    )
+    with pytest.raises(AutoStrategyError, match=r"^strategy=auto: nothing fits: zero3 needs 7.47 GiB per rank"):
+        auto.choose(AutoStrategy(budget_gb=7.0, offload=False), BILLION, "32-true", accelerator="cpu", devices=2)
+
+
+def test_bad_offload_settings_name_the_field():
+    with pytest.raises(AutoStrategyError, match=r"^host_budget_gb=0 is invalid: it must be a finite number of GiB > 0"):
+        AutoStrategy(host_budget_gb=0)
+    with pytest.raises(AutoStrategyError, match=r"^offload='yes' is invalid: it must be true or false$"):
+        AutoStrategy(offload="yes")
+    with pytest.raises(AutoStrategyError, match=r"^offload_dir='' is invalid: it must be a directory path$"):
+        AutoStrategy(offload_dir="")

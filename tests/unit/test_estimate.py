@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_zero import estimate
+from lightning_zero import config, estimate
 from lightning_zero.estimate import EstimateError, MemoryEstimate
 
 PSI = 1000
@@ -64,7 +64,7 @@ def test_frozen_parameters_hold_no_gradient_nor_optimizer_state():
 
 
 def test_one_rank_shards_nothing():
-    totals = {e.option: e.total for e in estimate.estimate_all(PSI, 1, bucket_mb=0)}
+    totals = {e.option: e.total for e in estimate.estimate_all(PSI, 1, bucket_mb=0, options=estimate.IN_DEVICE_OPTIONS)}
     assert totals == {"ddp": 16000, "zero1": 16000, "zero2": 16000, "zero3": 16000}
 
 
@@ -139,3 +139,98 @@ def test_parse_count(text, count):
 def test_bad_input_names_the_field(call, message):
     with pytest.raises(EstimateError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         call()
+
+
+# ------------------------------------------------------------------------------------------------------- offload
+# Ψ = 1000 on N = 4 ranks, bucket_mb=0. Offloaded optimizer state is 12 bytes per element in any precision (a separate
+# fp32 master and the two moments). Host buffers: the staging of the gradient shards (w Ψ/N) and, when the working
+# parameters stay on the device, of the updated rows (w Ψ/N); disk offload adds its resident sub-groups.
+
+# (option, precision): (params, grads, optimizer, device, host, disk, host_buffers)
+OFFLOAD_CASES = {
+    # ZeRO-Offload stage 2 in 16-bit: 2Ψ + 2Ψ/N = 2500 on the device, 12Ψ/N = 3000 on the host.
+    ("zero2_offload", "bf16-mixed"): (2000, 500, 3000, 2500, 3000, 0, 1000),
+    ("zero1_offload", "bf16-mixed"): (2000, 2000, 3000, 4000, 3000, 0, 1000),  # full gradients stay: 2Ψ + 2Ψ
+    ("zero3_offload", "bf16-mixed"): (500, 500, 3000, 1000, 3000, 0, 1000),  # 2Ψ/N + 2Ψ/N
+    ("zero3_offload_params", "bf16-mixed"): (500, 500, 3000, 500, 3500, 0, 500),  # only the gradient shards stay
+    # fp32: 4Ψ + 4Ψ/N on the device, the same 12Ψ/N on the host.
+    ("zero2_offload", "32-true"): (4000, 1000, 3000, 5000, 3000, 0, 2000),
+    ("zero3_offload_params", "32-true"): (1000, 1000, 3000, 1000, 4000, 0, 1000),
+    # Disk: the same bytes in files; the default sub-groups (3 x 256 MiB) hold all of this tiny model's files.
+    ("zero2_offload_disk", "bf16-mixed"): (2000, 500, 3000, 2500, 0, 3000, 1000 + 3000),
+    ("zero3_offload_disk", "bf16-mixed"): (500, 500, 3000, 500, 0, 3500, 500 + 3500),
+}
+
+
+@pytest.mark.parametrize(("option", "precision"), list(OFFLOAD_CASES))
+def test_offload_bytes_by_placement(option, precision):
+    e = estimate.estimate(option, PSI, 4, precision, bucket_mb=0)
+    got = (e.params, e.grads, e.optimizer, e.device, e.host, e.disk, e.host_buffers)
+    assert got == OFFLOAD_CASES[option, precision]
+    assert e.device + e.host + e.disk == e.total
+    assert e.host_total == e.host + e.host_buffers
+
+
+def test_disk_offload_keeps_its_resident_subgroups_in_host_memory():
+    # Ψ = 10^9 on 8 ranks, 16-bit, zero3_offload_disk: 14Ψ/N = 1.75e9 bytes of files per rank; 3 resident sub-groups
+    # of 16 MiB of fp32 masters hold 3 x 16 MiB x (12 + 2) / 4 = 168 MiB; plus the gradient staging 2Ψ/N = 2.5e8.
+    offload = config.OffloadConfig(offload_subgroup_mb=16.0, offload_resident_subgroups=3)
+    e = estimate.estimate("zero3_offload_disk", 10**9, 8, "bf16-mixed", bucket_mb=0, offload=offload)
+    assert (e.device, e.host, e.disk) == (250_000_000, 0, 1_750_000_000)
+    assert e.host_buffers == 250_000_000 + 168 * 2**20
+
+
+def _budget(device, host=None, disk=None, shared_host=False):
+    return estimate.Budget(device, host, disk, shared_host)
+
+
+@pytest.mark.parametrize(
+    ("budget", "choice"),
+    [
+        # 16-bit, Ψ = 1000, N = 4: zero3 needs 4000 on the device; zero1/2/3_offload 4000/2500/1000 with 4000 on the
+        # host (states and buffers); zero3_offload_params 500 with 4000; the disk options 4000/2500/500 on the device
+        # with 4000 (4000 for zero3) of host buffers and 3000 (3500) of files.
+        (_budget(4000), "zero3"),
+        (_budget(3999), None),  # no host budget: the offload options are not considered
+        (_budget(3999, host=4000), "zero2_offload"),
+        (_budget(2499, host=4000), "zero3_offload"),
+        (_budget(999, host=4000), "zero3_offload_params"),
+        (_budget(999, host=3999, disk=10**6), None),  # every offload option needs 4000 of host memory
+        (_budget(2500, host=4000, disk=10**6), "zero2_offload"),  # host before disk
+        # On CPU the device is host memory: host offload never lowers what a rank holds; nothing fits.
+        (_budget(3999, host=10**6, shared_host=True), None),
+    ],
+)
+def test_recommend_tries_the_device_then_the_host_then_disk(budget, choice):
+    assert estimate.recommend(PSI, 4, budget, "bf16-mixed", bucket_mb=0).choice == choice
+
+
+def test_recommend_picks_disk_when_host_memory_is_short():
+    # A 10^8-parameter model on 4 ranks in 16-bit: zero3_offload_params needs 14Ψ/N = 3.5e8 bytes of host states plus
+    # 5e7 of staging, more than the host budget; disk offload keeps 3 resident sub-groups of 16 MiB of masters,
+    # 3 x 16 MiB x 14/4 = 168 MiB, plus the same 5e7 of staging.
+    offload = config.OffloadConfig(offload_subgroup_mb=16.0)
+    budget = estimate.Budget(device=2 * 10**8, host=39 * 10**7, disk=10**10)
+    recommendation = estimate.recommend(10**8, 4, budget, "bf16-mixed", bucket_mb=0, offload=offload)
+    assert recommendation.choice == "zero3_offload_disk"
+    disk = next(e for e in recommendation.estimates if e.option == "zero3_offload_disk")
+    assert (disk.device, disk.disk, disk.host_buffers) == (5 * 10**7, 35 * 10**7, 5 * 10**7 + 168 * 2**20)
+    assert recommendation.explain() == (
+        "zero3_offload_disk: the least complex option that fits (47.68 MiB of 190.73 MiB on the device, 215.68 MiB of "
+        "371.93 MiB of host memory, 333.79 MiB of 9.31 GiB on disk per rank); nothing without offload fits (zero3 "
+        "needs 381.47 MiB of 190.73 MiB on the device per rank); nothing with host offload fits "
+        "(zero3_offload_params needs 47.68 MiB of 190.73 MiB on the device, 381.47 MiB of 371.93 MiB of host memory "
+        "per rank)"
+    )
+
+
+def test_layouts_name_the_strategy_options():
+    assert estimate.LAYOUTS["zero3_offload_disk"].strategy_options() == {
+        "stage": 3, "offload_optimizer": "disk", "offload_params": "disk"
+    }
+    assert estimate.option_name(2, "cpu") == "zero2_offload"
+    assert estimate.option_name(3, "disk", None) is None  # a valid combination the model has no option for
+    assert estimate.IN_DEVICE_OPTIONS == ("ddp", "zero1", "zero2", "zero3")
+    # offload moves states, not traffic: the same bytes as the stage
+    traffic = estimate.communication_bytes
+    assert traffic("zero3_offload_disk", PSI, 4, 4) == traffic("zero3", PSI, 4, 4)

@@ -52,3 +52,15 @@ def test_items_are_tokens_of_the_first_integer_tensor_else_samples():
     assert _count_items((tokens, tokens)) == (64, "tokens/s")
     assert _count_items({"input_ids": tokens}) == (64, "tokens/s")
     assert _count_items((torch.zeros(8, 3), torch.zeros(8))) == (8, "samples/s")
+
+
+def test_report_gives_each_placement_measured_and_modelled():
+    offloaded = MonitorSummary(**{**SUMMARY.__dict__, "option": "zero2_offload", "placement": (6000, 4008, 0),
+                                  "predicted_placement": (6000, 4000, 0)})
+    lines = format_report(offloaded).splitlines()
+    where = lines.index("  where they live per rank: device 5.86 KiB, host 3.91 KiB, disk 0 B")
+    assert lines[where + 1] == "     model (zero2_offload): device 5.86 KiB, host 3.91 KiB, disk 0 B"
+    # a summary written before placement was measured still reads, and reports no placement
+    old = {k: v for k, v in SUMMARY.__dict__.items() if k not in ("placement", "predicted_placement")}
+    assert MonitorSummary.from_json(MonitorSummary(**old).to_json()).placement is None
+    assert "where they live" not in format_report(SUMMARY)
