@@ -57,7 +57,7 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         _check_mib("bucket_mb", self.bucket_mb)
-        if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
+        if self.reduce_dtype is not None and self.reduce_dtype not in tuple(DTYPES):  # a tuple: a dict value is no key
             allowed = ", ".join(repr(k) for k in (None, *DTYPES))
             raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid: allowed values are {allowed}")
         _check_bool(self, "find_unused_parameters", "broadcast_buffers", "shortcut_single_rank")
@@ -109,15 +109,19 @@ class Stage3Config:
         return max(1, int(self.unit_mb * 2**20))
 
 
+#: Below this, ranks that merely start a little apart (one still building its model) are taken for lost.
+MIN_FAILURE_TIMEOUT_S = 1.0
+
+
 @dataclass(frozen=True)
 class WatchdogConfig:
     """How a rank learns that a peer failed (``watchdog.py``).
 
     Args:
-        failure_timeout_s: a peer whose heartbeat has not moved for this many seconds is taken as lost, and this
-            rank fails naming it (a rank that raises or dies is reported at once, whatever this value). ``None``
-            turns the watchdog off: a lost peer then blocks the others until the process group's own timeout
-            (30 minutes by default).
+        failure_timeout_s: a peer whose heartbeat has not moved for this many seconds (at least
+            ``MIN_FAILURE_TIMEOUT_S``) is taken as lost, and this rank fails naming it (a rank that raises or dies is
+            reported at once, whatever this value). ``None`` turns the watchdog off: a lost peer then blocks the
+            others until the process group's own timeout (30 minutes by default).
         heartbeat_s: how often each rank beats and checks its peers (one tiny store request each way).
     """
 
@@ -125,15 +129,17 @@ class WatchdogConfig:
     heartbeat_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("failure_timeout_s", "heartbeat_s"):
-            value = getattr(self, name)
-            if value is None and name == "failure_timeout_s":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a number of seconds > 0")
-        if self.failure_timeout_s is not None and self.heartbeat_s >= self.failure_timeout_s:
+        timeout, heartbeat = self.failure_timeout_s, self.heartbeat_s
+        if timeout is not None and not (_is_number(timeout) and MIN_FAILURE_TIMEOUT_S <= timeout < float("inf")):
             raise ZeroConfigError(
-                f"heartbeat_s={self.heartbeat_s!r} is invalid: it must be below failure_timeout_s={self.failure_timeout_s!r}"
+                f"failure_timeout_s={timeout!r} is invalid: it must be a number of seconds >= "
+                f"{MIN_FAILURE_TIMEOUT_S:g}, or null (no watchdog)"
+            )
+        if not (_is_number(heartbeat) and 0 < heartbeat < float("inf")):
+            raise ZeroConfigError(f"heartbeat_s={heartbeat!r} is invalid: it must be a number of seconds > 0")
+        if timeout is not None and heartbeat >= timeout:
+            raise ZeroConfigError(
+                f"heartbeat_s={heartbeat!r} is invalid: it must be below failure_timeout_s={timeout!r}"
             )
 
 
@@ -226,7 +232,7 @@ class ZeroConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in SUPPORTED_STAGES:
             raise ZeroConfigError(f"stage={self.stage!r} is invalid: allowed values are 1, 2 or 3")
         if self.nonfinite_grads not in NONFINITE_POLICIES:
             allowed = ", ".join(repr(p) for p in NONFINITE_POLICIES)
@@ -237,7 +243,8 @@ class ZeroConfig:
                 f"on every rank), got stage={self.stage}: use offload_optimizer to offload stage {self.stage}'s states"
             )
         policy = self.activation_checkpointing_policy
-        if isinstance(policy, (str, type)) or not all(isinstance(p, type) or (isinstance(p, str) and p) for p in policy):
+        entries = policy if isinstance(policy, (tuple, list)) else [None]  # a string or a class alone is not a list
+        if not all(isinstance(p, type) or (isinstance(p, str) and p) for p in entries):
             raise ZeroConfigError(
                 f"activation_checkpointing_policy={policy!r} is invalid: it must be a list of module classes or "
                 "class names"
@@ -289,8 +296,12 @@ def _own(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     return {f.name: options[f.name] for f in _own_fields(cls) if f.name in options}
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_mib(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+    if not _is_number(value) or not 0 < value < float("inf"):
         raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a number of MiB > 0")
 
 

@@ -35,6 +35,7 @@ from lightning_zero import auto
 from lightning_zero.cli.compose import compose, instantiate, prefixed
 from lightning_zero.cli.config_tree import find_config_tree, register_configs
 from lightning_zero.cli.errors import EXIT_USAGE, UsageError, first_line
+from lightning_zero.cli.preflight import check_before_launch
 from lightning_zero.config import PRECISIONS
 
 #: Lightning's short spellings of the supported precision flags (``trainer.precision=bf16``).
@@ -122,9 +123,20 @@ def _overrides_to_check(parsed: argparse.Namespace) -> list[str] | None:
     return overrides + search_path
 
 
-def _check(overrides: list[str]) -> None:
-    """Compose the config and build every object once, so that bad input fails here with one line."""
-    _build_job(compose(overrides))
+def _check(overrides: list[str]) -> Job:
+    """Compose the config and build every object once, the Trainer too, so that bad input fails here with one line,
+    before Hydra makes the run directory."""
+    import logging
+
+    job = _build_job(compose(overrides))
+    quiet = logging.getLogger("lightning.pytorch")  # the Trainer announces its devices; the real one will again
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        _make_trainer(job, Path("lightning_zero_check"))  # only named: a Trainer makes no directory until it runs
+    finally:
+        quiet.setLevel(level)
+    return job
 
 
 def _run(cfg: Any) -> None:
@@ -182,6 +194,7 @@ def _build_job(cfg: Any) -> Job:
     if isinstance(strategy, auto.AutoStrategy):
         choice = _choose(strategy, counts, cfg.trainer, precision)
         strategy = auto.build(choice.option, strategy)
+    check_before_launch(cfg, strategy, model)
     return Job(
         strategy=strategy,
         strategy_name=option_of(strategy) or type(strategy).__name__,

@@ -116,6 +116,31 @@ def test_auto_strategy_picks_the_least_complex_option_that_fits(tmp_path, capfd)
     assert summary_of(tmp_path).option == "zero1"
 
 
+@pytest.mark.parametrize(
+    ("strategy", "device", "host", "disk"),
+    [
+        # fp32 on 2 ranks: ZeRO-Offload stage 2 keeps 4Ψ + 4Ψ/2 on the device and puts 12Ψ/2 on the host.
+        ("zero2_offload", 6, 6, 0),
+        # Disk offload at stage 3: only the gradient shards (4Ψ/2) stay; 12Ψ/2 and the parameter shards 4Ψ/2 in files.
+        ("zero3_offload_disk", 2, 0, 8),
+    ],
+)
+def test_train_with_offload_reports_where_each_byte_lives(tmp_path, capfd, strategy, device, host, disk):
+    extra = [f"strategy.offload_dir={tmp_path}"] if strategy.endswith("disk") else []
+    assert train_in_process(tmp_path / "run", f"strategy={strategy}", *extra) == 0
+    out = capfd.readouterr().out
+    assert f"Run report: {strategy} on 2 x cpu, precision 32-true" in out
+    psi = TINY_GPT.num_parameters
+    s = summary_of(tmp_path / "run")
+    assert s.option == strategy
+    assert s.predicted_placement == (device * psi, host * psi, disk * psi)
+    for measured, modelled in zip(s.placement, s.predicted_placement):  # Adam's step counters live on the host
+        assert modelled <= measured <= modelled * 1.01 + 200
+    fmt = estimate.format_bytes
+    assert f"  where they live per rank: device {fmt(s.placement[0])}, host {fmt(s.placement[1])}, " in out
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # disk offload removed its files
+
+
 def test_command_line_launches_ranks_with_popen_into_one_output_directory(tmp_path):
     result = run_command("train", *TINY, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -149,6 +174,7 @@ def test_the_repository_root_holds_the_config_tree_the_command_offers(capfd):
         ("gpt_small_zero3", 3, "lightning_zero.models.GPTConfig"),
         ("hf_llama_finetune", 2, "lightning_zero.models.hf.HFModelConfig"),
         ("gpt_large_zero3", 3, "lightning_zero.models.GPTConfig"),
+        ("gpt_medium_zero3_offload", 3, "lightning_zero.models.GPTConfig"),
     ],
 )
 def test_recipe_composes(recipe, strategy, model):
@@ -206,9 +232,11 @@ BAD_INPUT = [
     ("strategy.bucket_mb=-1", "strategy.bucket_mb=-1 is invalid: it must be a number of MiB > 0"),
     ("trainer.precision=fp17", "trainer.precision='fp17' is invalid: allowed values are 32-true, bf16-mixed, 16-mixed"),
     ("trainer.precision=bf16-true", "trainer.precision='bf16-true' is invalid: allowed values are 32-true"),
-    ("strategy=zero5", "strategy=zero5 is not an option: allowed values are auto, ddp, zero1, zero2, zero3"),
+    ("strategy=zero5", "strategy=zero5 is not an option: allowed values are auto, ddp, zero1, zero1_offload, zero2, "
+     "zero2_offload, zero3, zero3_offload, zero3_offload_disk"),
     ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_llama"),
-    ("recipe=nope", "recipe=nope is not an option: allowed values are gpt_large_zero3, gpt_small_zero3"),
+    ("recipe=nope", "recipe=nope is not an option: allowed values are gpt_large_zero3, gpt_long_context_ac, "
+     "gpt_medium_zero3_offload, gpt_small_zero3"),
     ("strategy.bucket_m=1", "strategy.bucket_m is not a field of strategy: allowed fields are stage, bucket_mb,"),
     ("trainer.max_stepz=1", "trainer.max_stepz is not a field of trainer: allowed fields are accelerator, devices,"),
     ("strateg=zero2", "strateg is not a config group or field: allowed fields are data, model, monitor, recipe,"),
@@ -251,8 +279,10 @@ def test_bad_input_from_the_real_command_has_no_traceback(tmp_path):
 def test_train_help_lists_the_config_groups(capfd):
     assert main(["train", "--help"]) == 0
     out = capfd.readouterr().out
-    assert "strategy: auto, ddp, zero1, zero2, zero3" in out
-    assert "recipe: gpt_large_zero3, gpt_small_zero3, hf_llama_finetune" in out
+    assert (
+        "strategy: auto, ddp, zero1, zero1_offload, zero2, zero2_offload, zero3, zero3_offload, zero3_offload_disk"
+    ) in out
+    assert "recipe: gpt_large_zero3, gpt_long_context_ac, gpt_medium_zero3_offload, gpt_small_zero3, " in out
 
 
 # ------------------------------------------------------------------------------------------------------ estimate
@@ -263,11 +293,34 @@ def test_estimate_table_and_recommendation(capfd):
     assert main(["estimate", "--params", "1000", "--ranks", "4", "--bucket-mb", "0", "--budget-gb", budget_gb]) == 0
     out = capfd.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out if line.startswith(("ddp", "zero"))}
-    # total column (bytes, shown with a unit) and the fit column: 16000, 10000, 7000, 4000 bytes against 12000.
-    assert rows["ddp"][-3:] == ["15.62", "KiB", "no"]
-    assert rows["zero1"][-3:] == ["9.77", "KiB", "yes"]
-    assert rows["zero3"][-3:] == ["3.91", "KiB", "yes"]
+    # device column (bytes, shown with a unit; the 5th of 7 cells) and the fit column: 16000, 10000, 7000, 4000 bytes
+    # against 12000.
+    assert rows["ddp"][9:11] + rows["ddp"][-1:] == ["15.62", "KiB", "no"]
+    assert rows["zero1"][9:11] + rows["zero1"][-1:] == ["9.77", "KiB", "yes"]
+    assert rows["zero3"][9:11] + rows["zero3"][-1:] == ["3.91", "KiB", "yes"]
+    assert len(rows) == 11  # ddp, zero1-3, and their offload options
     assert out[-1] == "recommendation: zero1: the least complex option that fits (9.77 KiB of 11.72 KiB per rank)"
+
+
+def test_estimate_knows_the_offload_options(capfd):
+    # 1000 parameters, 16-bit, 4 ranks, no bucket; a 999-byte device budget, 4000 bytes of host memory, 10 KiB of disk.
+    kib = 2**-20
+    args = ["--params", "1000", "--ranks", "4", "--precision", "bf16-mixed", "--bucket-mb", "0",
+            "--budget-gb", str(999 * 2**-30), "--host-budget-gb", str(4000 * 2**-30), "--disk-budget-gb", str(10 * kib)]
+    assert main(["estimate", *args]) == 0
+    out = capfd.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in out if line.startswith(("ddp", "zero"))}
+    # ZeRO-Offload stage 2: 2Ψ + 2Ψ/N = 2500 bytes on the device, 12Ψ/N = 3000 on the host plus 2 x 2Ψ/N of staging.
+    assert rows["zero2_offload"] == ["1.95", "KiB", "500", "B", "2.93", "KiB", "0", "B",
+                                     "2.44", "KiB", "3.91", "KiB", "0", "B", "no"]
+    # Stage 3 with the parameter shards on the host too: only the gradient shards (2Ψ/N = 500 bytes) stay.
+    assert rows["zero3_offload_params"][8:] == ["500", "B", "3.91", "KiB", "0", "B", "yes"]
+    assert rows["zero3_offload_disk"][8:] == ["500", "B", "3.91", "KiB", "3.42", "KiB", "yes"]
+    assert out[-1] == (
+        "recommendation: zero3_offload_params: the least complex option that fits (500 B of 999 B on the device, "
+        "3.91 KiB of 3.91 KiB of host memory per rank); nothing without offload fits (zero3 needs 3.91 KiB of 999 B on "
+        "the device per rank)"
+    )
 
 
 def test_estimate_from_a_model_config(capfd):
@@ -278,7 +331,8 @@ def test_estimate_from_a_model_config(capfd):
 
 
 def test_estimate_says_when_nothing_fits(capfd):
-    assert main(["estimate", "--params", "70B", "--ranks", "8", "--precision", "bf16-mixed", "--budget-gb", "80"]) == 0
+    args = ["--params", "70B", "--ranks", "8", "--precision", "bf16-mixed", "--budget-gb", "80", "--no-offload"]
+    assert main(["estimate", *args]) == 0
     last = capfd.readouterr().out.splitlines()[-1]
     assert last == (
         "recommendation: nothing fits: zero3 needs 130.41 GiB per rank on 8 ranks, the budget is 80.00 GiB; "
