@@ -41,6 +41,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -334,6 +335,26 @@ def _report(rank: int | None, message: str) -> None:
     sys.stderr.flush()
 
 
+#: What must still happen if the watchdog ends the process (``os._exit`` runs no ``finally`` and no ``atexit``):
+#: removing private files, such as disk offload's.
+_BEFORE_EXIT: list[Callable[[], None]] = []
+
+
+def run_before_exit(action: Callable[[], None]) -> None:
+    """Run ``action`` if the watchdog has to end this process (until ``cancel_before_exit(action)``)."""
+    _BEFORE_EXIT.append(action)
+
+
+def cancel_before_exit(action: Callable[[], None]) -> None:
+    if action in _BEFORE_EXIT:
+        _BEFORE_EXIT.remove(action)
+
+
 def _exit(rank: int, message: str) -> None:
     _report(rank, f"{message}; exiting with code {EXIT_CODE}")
+    for action in list(_BEFORE_EXIT):
+        try:
+            action()
+        except Exception as err:  # the exit must happen: say what was left behind
+            _report(rank, f"could not clean up before exiting: {err!r}")
     os._exit(EXIT_CODE)

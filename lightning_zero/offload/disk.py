@@ -51,6 +51,7 @@ from torch import Tensor
 from lightning_zero.offload.host import HostOffload
 from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.optimizer import ShardedOptimizer
+from lightning_zero.watchdog import cancel_before_exit, run_before_exit
 
 _PAGE = mmap.PAGESIZE
 
@@ -87,6 +88,7 @@ class MappedStore:
         self.directory = directory
         self._maps: dict[int, tuple[mmap.mmap, int, Path]] = {}  # storage pointer -> (map, fd, file)
         self._count = 0
+        run_before_exit(self._remove_directory)  # a rank the watchdog ends leaves no files behind either
 
     def tensor_like(self, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """A new file-backed tensor holding a copy of ``tensor`` (cast to ``dtype``)."""
@@ -150,6 +152,10 @@ class MappedStore:
                 pass
             os.close(fd)
         self._maps.clear()
+        self._remove_directory()
+        cancel_before_exit(self._remove_directory)
+
+    def _remove_directory(self) -> None:
         try:
             os.chmod(self.directory, 0o700)  # ours: if someone made it read-only, its files could not be removed
         except OSError:

@@ -4,13 +4,17 @@ test_rank_failure.py.)"""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 import uuid
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from lightning_zero.watchdog import PeerFailure, Watchdog
+from lightning_zero.offload.disk import MappedStore
+from lightning_zero.watchdog import EXIT_CODE, PeerFailure, Watchdog, _exit
 
 HEARTBEAT_S, TIMEOUT_S = 0.1, 1.0
 
@@ -107,3 +111,19 @@ def test_a_communication_error_is_blamed_on_the_peer_whose_heartbeat_stopped(pai
 def test_heartbeat_must_be_shorter_than_the_failure_timeout() -> None:
     with pytest.raises(ValueError, match="heartbeat_s=5 is invalid: it must be > 0 and below failure_timeout_s=5"):
         Watchdog(dist.HashStore(), 0, 2, failure_timeout_s=5, heartbeat_s=5)
+
+
+def _hard_exit_with_offload_files(directory: str) -> None:
+    store = MappedStore(Path(directory))
+    store.tensor_like(torch.ones(1000))
+    _exit(0, "a peer failed (test)")
+
+
+def test_a_process_the_watchdog_ends_leaves_no_offload_files(tmp_path) -> None:
+    directory = tmp_path / "offload"
+    directory.mkdir()
+    child = mp.get_context("fork").Process(target=_hard_exit_with_offload_files, args=(str(directory),))
+    child.start()
+    child.join(30)
+    assert child.exitcode == EXIT_CODE
+    assert not directory.exists()
