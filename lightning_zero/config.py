@@ -288,6 +288,28 @@ def option_defaults() -> dict[str, Any]:
     return ZeroConfig().options()
 
 
+def check_launch_settings(start_method: Any = None, process_group_backend: Any = None, timeout: Any = None) -> None:
+    """The launch settings ``ZeroStrategy`` passes on to Lightning and ``torch.distributed``, checked where they are
+    given: both accept bad values and fail later, inside every rank (an unknown backend, a timeout in seconds)."""
+    import multiprocessing
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    methods = ["popen", *multiprocessing.get_all_start_methods()]
+    if start_method is not None and start_method not in methods:
+        raise ZeroConfigError(f"start_method={start_method!r} is invalid: allowed values are {', '.join(methods)}")
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]  # fake: torch's own tests'
+    available = [b for b in known if dist.is_backend_available(b)]
+    if process_group_backend is not None and process_group_backend not in available:
+        raise ZeroConfigError(
+            f"process_group_backend={process_group_backend!r} is invalid: allowed values are {', '.join(available)}, "
+            "or none for the accelerator's default"
+        )
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise ZeroConfigError(f"timeout={timeout!r} is invalid: it must be a datetime.timedelta")
+
+
 def _own_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.name not in _COMPONENTS]
 

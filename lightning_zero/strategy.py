@@ -9,7 +9,7 @@ to ``materialize.py``, what Lightning features need at setup to ``lightning_comp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -28,22 +28,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import checkpoint as ckpt
-from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, option_defaults
-from lightning_zero.lightning_compat import (
-    apply_activation_checkpointing,
-    install_summary,
-    refuse_unsupported,
-)
+from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
+from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, check_launch_settings, option_defaults
+from lightning_zero.lightning_compat import apply_activation_checkpointing, install_summary, refuse_unsupported
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
 from lightning_zero.replicas import check_replicas
 from lightning_zero.sharding.collectives import Collectives, CommStats
-from lightning_zero.sharding.materialize import (
-    has_meta_tensors,
-    materialize_shards,
-    rng_state,
-)
+from lightning_zero.sharding.materialize import has_meta_tensors, materialize_shards, rng_state
 from lightning_zero.sharding.overlap import install_gate
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
 from lightning_zero.watchdog import Watchdog
@@ -56,7 +48,7 @@ _OFFLOAD_VARIANTS = {
 }
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
     """ZeRO data parallelism: ``stage`` 1 shards optimizer states, 2 also gradients, 3 also parameters.
 
     Use ``Trainer(strategy="zero3")`` (also ``"zero1"``, ``"zero2"``, and ``_fork``/``_spawn``/``_notebook`` variants
@@ -92,6 +84,7 @@ class ZeroStrategy(DDPStrategy):
         if config is not None and options:
             raise TypeError(f"ZeroStrategy takes a ZeroConfig or options, not both (got {sorted(options)})")
         self.config = config if config is not None else ZeroConfig.from_options(**options)
+        check_launch_settings(start_method, process_group_backend, timeout)
         ignored = self.config.ignored_options()
         if ignored:
             rank_zero_warn(f"{', '.join(ignored)} only apply to stage 3 and are ignored with stage={self.config.stage}")
@@ -109,8 +102,6 @@ class ZeroStrategy(DDPStrategy):
         self._runtime: ZeroRuntime | None = None
         self._comm_stats = CommStats()
         self._init_rng_state: Tensor | None = None
-        self._device_mesh = None
-        self._loaded_sharded = False
         self._failed = False
         self._watchdog: Watchdog | None = None
 
@@ -339,74 +330,6 @@ class ZeroStrategy(DDPStrategy):
         # optimization, or an overridden ``LightningModule.optimizer_step`` (see sharding/overlap.py).
         defer = model.automatic_optimization and not is_overridden("optimizer_step", model, parent=pl.LightningModule)
         return self.runtime.step(inner, closure_with_hooks, plugin, model.automatic_optimization, defer, **kwargs)
-
-    # ----------------------------------------------------------------------------------------------- checkpoints
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Checkpoints are loaded into the shards, so after they exist."""
-        return True
-
-    def _mesh(self):
-        if self._device_mesh is None:
-            self._device_mesh = self.runtime.comms.device_mesh()
-        return self._device_mesh
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's shards as DTensors, keyed by parameter name: no communication (see ``checkpoint.py``)."""
-        self.runtime.wait()
-        return ckpt.model_tensors(self.runtime.module, self.runtime.shards, self._mesh(), self.runtime.comms.rank)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's optimizer state shards, keyed by parameter name."""
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return ckpt.optimizer_tensors(self.runtime.sharded(inner), self._mesh())
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint directory, every rank in parallel, atomically (see ``checkpoint.py``)."""
-        if storage_options is not None:
-            raise TypeError("ZeroStrategy writes torch.distributed.checkpoint directories; storage_options is not used")
-        facts = {"stage": self.config.stage, "world_size": self.world_size, "precision": self.precision_plugin.precision}
-        self.runtime.adopt_edits()
-        ckpt.save_sharded(filepath, checkpoint, self.runtime.module, self.runtime.shards, facts, self.runtime.comms)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            ckpt.remove(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded checkpoint directory is read straight into the shards, each rank reading only its rows (at any
-        world size and stage); a single-file checkpoint (DDP, single device, ``consolidate``) loads as usual."""
-        self._loaded_sharded = ckpt.is_sharded_checkpoint(checkpoint_path)
-        if not self._loaded_sharded:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        runtime = self.runtime
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        sharded = [runtime.sharded(o) for o in self.optimizers] if fitting else []
-        meta = ckpt.load_sharded(checkpoint_path, runtime.module, runtime.shards, sharded, self._mesh(), runtime.comms)
-        runtime.refresh_full_parameters()
-        return meta
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._loaded_sharded:
-            return
-        self.runtime.load_full_state_dict(checkpoint["state_dict"], strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._loaded_sharded:
-            self._loaded_sharded = False
-            return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self.runtime.sharded(optimizer).load_consolidated_state_dict(state)
 
     # -------------------------------------------------------------------------------------------------- teardown
 

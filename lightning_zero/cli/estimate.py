@@ -73,7 +73,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         )
     except estimate.EstimateError as err:
         raise UsageError(str(err)) from None
-    print(estimate.format_table(what, total, trainable, ranks, args.precision, estimates, budget))
+    print(format_table(what, total, trainable, ranks, args.precision, estimates, budget))
     if recommendation is None:
         print("\nno budget given (--budget-gb) and no GPU: no recommendation")
     else:
@@ -142,3 +142,41 @@ def _default_ranks() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def format_table(
+    what: str, total: int, trainable: int, ranks: int, precision: str, estimates: tuple, budget: estimate.Budget | None
+) -> str:
+    """The ``lightning-zero estimate`` table: one row per option, its bytes by kind and by placement, and whether it
+    fits ``budget`` ("-": it needs host memory or disk the budget does not offer)."""
+    frozen = f", {trainable:,} trainable" if trainable != total else ""
+    kinds = ("params", "grads", "optimizer", "buckets", "device", "host", "disk")
+    head = f"{'option':<22}" + "".join(f"{k:>11}" for k in kinds)
+    lines = [
+        f"{what}{frozen}, {ranks} ranks, precision {precision}: model states per rank (Adam; activations not included)",
+        "",
+        head + ("  fits" if budget is not None else ""),
+    ]
+    for e in estimates:
+        cells = [estimate.format_bytes(b) for b in (e.params, e.grads, e.optimizer, e.buckets, e.device, e.host_total, e.disk)]
+        fits = ""
+        if budget is not None:
+            fits = "  " + ("yes" if budget.fits(e) else "no" if budget.offers(e) else "-")
+        lines.append(f"{e.option:<22}" + "".join(f"{c:>11}" for c in cells) + fits)
+    lines += [
+        "",
+        "params, grads, optimizer: each kind wherever it lives; device: what stays on the device, buckets included;",
+        "host: offloaded states and offload's host buffers (staging, disk offload's resident sub-groups)",
+    ]
+    if budget is not None:
+        lines.append("budget per rank: " + _describe_budget(budget))
+    return "\n".join(lines)
+
+
+def _describe_budget(budget: estimate.Budget) -> str:
+    def amount(value: int | None) -> str:
+        return "not offered" if value is None else estimate.format_bytes(value)
+
+    if budget.shared_host:
+        return f"{estimate.format_bytes(budget.device)} of memory (the device is host memory), disk {amount(budget.disk)}"
+    return f"device {estimate.format_bytes(budget.device)}, host {amount(budget.host)}, disk {amount(budget.disk)}"

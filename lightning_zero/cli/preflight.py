@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import multiprocessing
 import os
 import warnings
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 from lightning_zero.cli.compose import prefixed
 from lightning_zero.cli.errors import UsageError, first_line
+from lightning_zero.config import ZeroConfigError, check_launch_settings
 
 
 def check_before_launch(cfg: Any, strategy: Any, model: Any) -> None:
@@ -51,7 +51,6 @@ def _check_trainer(node: Any) -> None:
 
 
 def _check_launch_settings(node: Any) -> None:
-    import torch.distributed as dist
     from hydra.utils import get_object
     from lightning.pytorch.strategies import DDPStrategy
     from omegaconf import DictConfig
@@ -64,20 +63,10 @@ def _check_launch_settings(node: Any) -> None:
             f"strategy.timeout={timeout!r} is invalid: it must be a timedelta, e.g. "
             f"'+strategy.timeout={{_target_:datetime.timedelta,seconds:{timeout}}}'"
         )
-    start_method = node.get("start_method")
-    allowed_methods = ["popen", *multiprocessing.get_all_start_methods()]
-    if start_method is not None and start_method not in allowed_methods:
-        raise UsageError(
-            f"strategy.start_method={start_method!r} is invalid: allowed values are {', '.join(allowed_methods)}"
-        )
-    backend = node.get("process_group_backend")
-    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]  # fake: torch's own tests'
-    available = [b for b in known if dist.is_backend_available(b)]
-    if backend is not None and backend not in available:
-        raise UsageError(
-            f"strategy.process_group_backend={backend!r} is invalid: allowed values are null (the accelerator's "
-            f"default), {', '.join(available)}"
-        )
+    try:
+        check_launch_settings(node.get("start_method"), node.get("process_group_backend"))
+    except ZeroConfigError as err:
+        raise UsageError(f"strategy.{err}") from None
     target = get_object(node._target_) if "_target_" in node else None
     if isinstance(target, type) and issubclass(target, DDPStrategy) and not issubclass(target, ZeroStrategy):
         _check_ddp_fields(node, target)

@@ -79,3 +79,17 @@ def test_fp16_mixed_gets_sharded_loss_scaling() -> None:
     strategy = ZeroStrategy(stage=2, precision_plugin=plugin)
     assert strategy.precision_plugin.precision == "16-mixed"
     assert strategy.precision_plugin.scaler is not None and strategy.precision_plugin.scaler.get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"process_group_backend": "bogus"}, "process_group_backend='bogus' is invalid: allowed values are gloo"),
+        ({"timeout": 5}, "timeout=5 is invalid: it must be a datetime.timedelta"),
+        ({"start_method": "bogus"}, "start_method='bogus' is invalid: allowed values are popen, "),
+    ],
+)
+def test_launch_settings_are_checked_when_the_strategy_is_built(kwargs, message) -> None:
+    # Lightning and torch.distributed take these and fail later, on every rank: refused here, before any launch.
+    with pytest.raises(ZeroConfigError, match=re.escape(message)):
+        ZeroStrategy(stage=2, **kwargs)

@@ -355,8 +355,9 @@ def _assert_train_exits_with(overrides: list[str], message: str) -> None:
         ("strategy=ddp +strategy.stage=1", "strategy.stage is not a parameter of lightning.pytorch.strategies."
          "DDPStrategy or of the DistributedDataParallel it builds: allowed fields are accelerator,"),
         ("+strategy.process_group_backend=bogus", "strategy.process_group_backend='bogus' is invalid: allowed values "
-         "are null (the accelerator's default), gloo"),
-        ("+strategy.timeout=5", "strategy.timeout=5 is invalid: it must be a timedelta, e.g. "
+         "are gloo"),
+        ("+strategy.timeout=5", "strategy.timeout=5 is invalid: it must be a datetime.timedelta"),  # ZeroStrategy's
+        ("strategy=ddp +strategy.timeout=5", "strategy.timeout=5 is invalid: it must be a timedelta, e.g. "
          "'+strategy.timeout={_target_:datetime.timedelta,seconds:5}'"),
         ("trainer.accumulate_grad_batches=0",
          "trainer.accumulate_grad_batches=0 is invalid: it must be an integer >= 1"),
