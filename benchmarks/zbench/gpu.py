@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 #: Approaches of the GPU run, in run order, and their labels.
 APPROACHES = {
@@ -53,10 +52,16 @@ class GpuSize:
     steps: int
 
     @property
+    def config(self):
+        """The library's own GPT (lightning_zero.models), tied embeddings: its ``Block`` is every strategy's unit."""
+        from lightning_zero.models import GPTConfig
+
+        return GPTConfig(vocab_size=self.vocab, n_layer=self.layers, n_head=self.heads, d_model=self.d,
+                         seq_len=self.seq, tie_embeddings=True)
+
+    @property
     def n_params(self) -> int:
-        """Tied embedding, learned positions, per block 12 d^2 (no biases) and two LayerNorms, the final LayerNorm."""
-        d = self.d
-        return self.vocab * d + self.seq * d + self.layers * (12 * d * d + 4 * d) + 2 * d
+        return self.config.num_parameters
 
     def flops_per_step(self) -> float:
         tokens = self.batch * self.seq
@@ -143,7 +148,7 @@ def _lightning_module(name: str, size: GpuSize, cuda: bool):
         def configure_model(self) -> None:
             if self.model is not None:
                 return
-            self.model = GPT(size)
+            self.model = size.config.build()
             if name == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
@@ -173,49 +178,6 @@ def _lightning_module(name: str, size: GpuSize, cuda: bool):
     return LM()
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block without biases (lightning_zero's and FSDP2's unit, by this class name)."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d, bias=False)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d, bias=False)
-        self.out = nn.Linear(4 * d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Token ids ``(batch, seq)`` -> logits; the output head is tied to the token embedding."""
-
-    def __init__(self, size: GpuSize) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(size.vocab, size.d)
-        self.wpe = nn.Embedding(size.seq, size.d)
-        self.blocks = nn.ModuleList(Block(size.d, size.heads) for _ in range(size.layers))
-        self.ln = nn.LayerNorm(size.d)
-        self.head = nn.Linear(size.d, size.vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# driver (compare.py --gpu)
-# ----------------------------------------------------------------------------------------------------------------------
 def run_all(names: list[str], size_name: str, python: str, timeout: float, env: dict) -> list[dict]:
     """Each approach in a fresh process (``python -m zbench.gpu NAME SIZE``); an approach that fails or is not
     installed is reported with its reason, the others still run."""

@@ -158,4 +158,4 @@ def test_gpu_mode_runs_on_cpu_at_a_tiny_size(tmp_path: Path) -> None:
             assert f"| {gpu.APPROACHES[name]} |" in text
         assert f"| {gpu.APPROACHES['single']} | " in text and " | 1.000 | " in text
         assert "size tiny, bf16-mixed, world size 1" in text
-    assert sum(p.numel() for p in gpu.GPT(size).parameters()) == size.n_params  # the formula TFLOPS rely on
+    assert sum(p.numel() for p in size.config.build().parameters()) == size.n_params  # the formula TFLOPS rely on
