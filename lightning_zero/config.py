@@ -36,6 +36,10 @@ class CommConfig:
     Args:
         bucket_mb: size in MiB of the flat buffers that gradients are packed into before each reduce-scatter, and
             that updated parameters are packed into before each all-gather. Bounds the transient memory of a step.
+        inplace_mb: stages 1 and 2: a parameter of at least this many MiB whose rows split evenly across the ranks is
+            reduced and gathered in its own storage, in a collective of its own, instead of being packed into a
+            bucket buffer (no second copy of it, no packing copies, as ``DistributedDataParallel``'s gradient bucket
+            views); ``None`` packs every parameter (fewer, larger collectives).
         reduce_dtype: dtype gradients are reduced and their shards kept in: ``None`` (default) uses the working
             dtype (fp32, or bf16/fp16 under mixed precision), as the ZeRO paper's memory figures and DeepSpeed and
             FSDP2 do, halving gradient traffic; ``"fp32"`` sums 16-bit gradients in fp32 for accuracy at twice the
@@ -50,6 +54,7 @@ class CommConfig:
     """
 
     bucket_mb: float = 25.0
+    inplace_mb: float | None = 0.25
     reduce_dtype: str | None = None
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
@@ -57,6 +62,8 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         _check_mib("bucket_mb", self.bucket_mb)
+        if self.inplace_mb is not None:
+            _check_mib("inplace_mb", self.inplace_mb)
         if self.reduce_dtype is not None and self.reduce_dtype not in tuple(DTYPES):  # a tuple: a dict value is no key
             allowed = ", ".join(repr(k) for k in (None, *DTYPES))
             raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid: allowed values are {allowed}")
@@ -65,6 +72,10 @@ class CommConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 2**20))
+
+    @property
+    def inplace_bytes(self) -> int | None:
+        return None if self.inplace_mb is None else max(1, int(self.inplace_mb * 2**20))
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype | None:

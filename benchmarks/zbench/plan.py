@@ -15,7 +15,8 @@ from zbench.model import SIZES, ModelSize, long_sequence
 
 CORE = ["ddp", "lit_ddp", "torch_zero1", "fsdp2", "ds_z1", "ds_z2", "ds_z3", "lz_zero1", "lz_zero2", "lz_zero3"]
 ALL = ["ddp", "lit_ddp", "torch_zero1", "fsdp2_noreshard", "fsdp2", "ds_z1", "ds_z2", "ds_z3",
-       "ds_z1_off", "ds_z2_off", "ds_z3_off", "lz_zero1", "lz_zero2", "lz_zero3", "lz_zero3_noreshard"]
+       "ds_z1_off", "ds_z2_off", "ds_z3_off", "lz_zero1", "lz_zero2", "lz_zero1_packed", "lz_zero2_packed", "lz_zero3",
+       "lz_zero3_noreshard"]
 WORLD1 = ["single", "lit_single", "ddp", "lit_ddp", "torch_zero1", "fsdp2", "ds_z1", "ds_z2", "ds_z3",
           "lz_zero1", "lz_zero2", "lz_zero3"]
 

@@ -366,6 +366,9 @@ def issue13_table(results, summary, gpu: dict | None) -> list[str]:
         add("zero3 communication per step, own accounting (x Psi(N-1)/N)", f"{own:.2f}", "<= 3.00", own <= 3.005)
     else:
         add("zero3 communication per step, own accounting (x Psi(N-1)/N)", None, "<= 3.00", False)
+    r = ratio("lz_zero3", "fsdp2", "wire_bytes")
+    add("zero3 bytes written to sockets per step / FSDP2's (reshard)", None if r is None else f"{r:.3f}", "<= 1.0",
+        r is not None and r <= 1.0)
     r = ratio("lz_zero1", "torch_zero1", "train_peak_above_base")
     add("zero1 training peak RSS / ZeroRedundancyOptimizer's", None if r is None else f"{r:.3f}", "<= 1.0",
         r is not None and r <= 1.0)

@@ -15,6 +15,16 @@ padded to ``c * row_numel`` elements. A reduce-scatter of that buffer leaves ran
 an all-gather of the segments rebuilds the buffer. Padding is at most ``N - 1`` rows per parameter and is always zero.
 Packing is one fused ``torch._chunk_cat`` and unpacking one ``torch.split_with_sizes_copy``, not a loop of copies.
 
+[Note: a large parameter is its own buffer]
+A parameter whose rows split evenly (no padding) is already laid out rank-major: chunk ``r`` is segment ``r``. Stages
+1 and 2 give each such parameter of at least ``inplace_mb`` a bucket of its own (``make_buckets(alone_bytes=...)``),
+and its collectives run on the tensor itself (``Bucket.own_buffer``): the gradient is reduced where autograd left it,
+the parameter is gathered straight into its storage. Nothing is packed or unpacked and no bucket buffer is held for
+it, which is how ``DistributedDataParallel(gradient_as_bucket_view=True)`` and ``ZeroRedundancyOptimizer`` avoid a
+second copy of the gradients; the small parameters (norms, biases, odd shapes) still fill packed buckets, which stay
+open across the large ones so that they remain few. The price is more, smaller collectives: cheap on NCCL, a few
+percent of a step on gloo (measured in BENCHMARKS.md).
+
 Alternative considered: one flat concatenation of all parameters with each rank owning a contiguous 1/N (DeepSpeed,
 FSDP1). It balances perfectly and avoids the pack copies, but hands the optimizer ragged pieces of matrices, forbids
 frozen and trainable parameters in one buffer, and makes state dicts and resharding need communication. Dim-0
@@ -250,9 +260,22 @@ class Bucket:
         """Rank ``rank``'s (default: this rank's) segment of a full rank-major buffer."""
         return buffer.view(self.world_size, self.segment_numel)[self.rank if rank is None else rank]
 
+    def own_buffer(self, tensors: Sequence[Tensor | None]) -> Tensor | None:
+        """The one tensor of ``tensors`` that already is this bucket's rank-major buffer, flattened, or ``None``: a
+        bucket of one evenly split parameter whose full tensor is contiguous, of the bucket's dtype and on its device
+        (see [Note: a large parameter is its own buffer])."""
+        if len(self.shards) != 1 or self.shards[0].spec.numel != self.full_numel:
+            return None
+        tensor = tensors[0]
+        if tensor is None or tensor.dtype != self.dtype or tensor.device != self.device or not tensor.is_contiguous():
+            return None
+        return tensor.detach().view(-1)
+
     def pack(self, tensors: Sequence[Tensor | None], out: Tensor) -> None:
         """Write full-shape tensors (``None`` counts as zeros) into the rank-major buffer ``out``, casting to its
-        dtype and zeroing the padding."""
+        dtype and zeroing the padding (nothing to do when ``out`` is the tensor itself: ``own_buffer``)."""
+        if _is_whole(out, tensors):
+            return
         inputs = []
         for shard, tensor in zip(self.shards, tensors):
             if tensor is None:
@@ -262,6 +285,8 @@ class Bucket:
 
     def pack_local(self, tensors: Sequence[Tensor], segment: Tensor) -> None:
         """Write this rank's unpadded shards into its segment (cast to the segment's dtype), zeroing the padding."""
+        if _is_whole(segment, tensors):
+            return  # the segment is the shard itself: a parameter gathered in place whose rows are its shard
         if any(t.device != segment.device for t in tensors):  # shards kept on the host (offload_params): copy over
             for shard, tensor, view in zip(self.shards, tensors, self._segment_views(segment)):
                 view[: shard.spec.local_numel].copy_(tensor.reshape(-1), non_blocking=True)
@@ -280,6 +305,8 @@ class Bucket:
 
     def unpack(self, buffer: Tensor, tensors: Sequence[Tensor]) -> None:
         """Copy a rank-major buffer into full-shape tensors of any strides, dropping the padding."""
+        if _is_whole(buffer, tensors):
+            return
         outs, staged = [], []
         for shard, tensor, padded in zip(self.shards, tensors, self.padded_numels):
             direct = shard.spec.numel == self.world_size * padded and tensor.is_contiguous() and tensor.dtype == buffer.dtype
@@ -310,11 +337,24 @@ class Bucket:
         ]
 
 
-def make_buckets(shards: Sequence[ParamShard], bucket_bytes: int, dtype: torch.dtype | None = None) -> list[Bucket]:
+def _is_whole(buffer: Tensor, tensors: Sequence[Tensor | None]) -> bool:
+    """Whether ``buffer`` is exactly the memory of the single tensor in ``tensors``."""
+    return (
+        len(tensors) == 1
+        and tensors[0] is not None
+        and tensors[0].data_ptr() == buffer.data_ptr()
+        and tensors[0].numel() == buffer.numel()
+    )
+
+
+def make_buckets(
+    shards: Sequence[ParamShard], bucket_bytes: int, dtype: torch.dtype | None = None, alone_bytes: int | None = None
+) -> list[Bucket]:
     """Consecutive buckets of shards of one dtype and device whose full buffer stays within ``bucket_bytes``.
 
     ``dtype`` overrides the buffer dtype (a reduction in fp32 of 16-bit gradients) for floating-point parameters. A
-    parameter larger than the cap gets a bucket of its own; order is preserved.
+    parameter larger than the cap gets a bucket of its own, and so does an evenly split one of at least
+    ``alone_bytes`` (see [Note: a large parameter is its own buffer]); order is preserved.
     """
     buckets: list[Bucket] = []
     current: list[ParamShard] = []
@@ -326,6 +366,11 @@ def make_buckets(shards: Sequence[ParamShard], bucket_bytes: int, dtype: torch.d
     for shard in shards:
         if shard.spec.numel == 0:
             continue
+        if alone_bytes is not None and shard.spec.numel == shard.spec.padded_numel * shard.spec.world_size:
+            buffer_dtype = _buffer_dtype(shard, dtype)
+            if shard.spec.numel * buffer_dtype.itemsize >= alone_bytes:
+                buckets.append(Bucket([shard], buffer_dtype))  # the packed bucket being filled stays open
+                continue
         size = shard.spec.padded_numel * shard.spec.world_size * shard.dtype.itemsize
         if current and (kind(current[0]) != kind(shard) or current_bytes + size > bucket_bytes):
             buckets.append(Bucket(current, _buffer_dtype(current[0], dtype)))

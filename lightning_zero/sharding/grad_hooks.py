@@ -17,7 +17,9 @@ Stage 1 keeps full gradients, as DDP does: micro-batches accumulate into ``param
 ``no_sync``), and at the accumulation boundary each bucket is reduce-scattered and the averaged owned rows are
 written into the full gradient's own rows, which ``param.grad`` then shows (a view; see [Note: the reduced gradient
 lives in param.grad]). Stage 2 reduces on every backward, adds the averaged rows into a persistent shard-sized buffer
-per parameter, and frees each full gradient as soon as its bucket is packed.
+per parameter, and frees each full gradient as soon as its bucket is packed. A large gradient is not packed: it is
+its own bucket and is reduced in place (see [Note: a large parameter is its own buffer]); at most ``MAX_IN_FLIGHT``
+reductions that hold a pool buffer are pending at once, in-place ones are not capped.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ class GradShards:
                 full = torch.zeros_like(shard.param)
             self._full[shard] = full
             destination = shard.spec.local_view(full)
-            destination.copy_(rows)
+            if destination.data_ptr() != rows.data_ptr():  # reduced in place: the rows are already there
+                destination.copy_(rows)
         else:
             destination = self._storage.get(shard)
             if destination is None or destination.dtype != rows.dtype:
@@ -181,7 +184,9 @@ class GradReducer:
         if key != self._plan_key:
             if key not in self._plans:
                 trainable = [s for s, t in zip(self._order, key) if t]
-                self._plans[key] = make_buckets(trainable, self.config.bucket_bytes, self.config.reduce_torch_dtype)
+                self._plans[key] = make_buckets(
+                    trainable, self.config.bucket_bytes, self.config.reduce_torch_dtype, alone_bytes=self.config.inplace_bytes
+                )
             self._plan_key, self._buckets = key, self._plans[key]
             self._position = {s: (b, i) for b, bucket in enumerate(self._buckets) for i, s in enumerate(bucket.shards)}
         self._ready = [[False] * len(b) for b in self._buckets]
@@ -212,19 +217,26 @@ class GradReducer:
     def _launch(self, index: int, used: list[bool] | None = None) -> None:
         bucket = self._buckets[index]
         grads = [s.param.grad if used is None or used[i] else None for i, s in enumerate(bucket.shards)]
-        buffer = self.pool.take(bucket.full_numel, bucket.dtype)
+        buffer = bucket.own_buffer(grads)  # a large gradient is reduced where it is
+        pooled = buffer is None
+        if pooled:
+            buffer = self.pool.take(bucket.full_numel, bucket.dtype)
         pending = self.comms.reduce_scatter(bucket, grads, buffer=buffer)
         if not self.keep_full_grads:
             for shard in bucket.shards:
                 shard.param.grad = None
         self._next_launch = index + 1
-        self._in_flight.add(pending, lambda reduced: self._store(bucket, grads, reduced, used, buffer))
+        self._in_flight.add(
+            pending, lambda reduced: self._store(bucket, grads, reduced, used, buffer if pooled else None), pooled
+        )
 
-    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None, buffer: Tensor) -> None:
+    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None,
+               pooled: Tensor | None) -> None:
         for i, (shard, full, rows) in enumerate(zip(bucket.shards, grads, reduced)):
             if used is None or used[i]:
                 self.grad_shards.store(shard, rows, full)
-        self.pool.give(buffer)  # the rows were copied out: the buffer serves the next bucket
+        if pooled is not None:
+            self.pool.give(pooled)  # the rows were copied out: the buffer serves the next bucket
 
     # ------------------------------------------------------------------------------------------------ after backward
 

@@ -3,12 +3,14 @@ into them, bucket by bucket, overlapped with the next forward (stage 3 replaces 
 param_hooks.py).
 
 [Note: the parameter all-gather overlaps the next forward]
-After an update (automatic optimization) the gathers are *launched*, not waited: the first ``MAX_IN_FLIGHT``
-buckets go out at once, in parameter order (about the order the forward uses them), and the step returns. Each
-module that owns a stepped parameter has a forward pre-hook that completes, in launch order, every bucket up to the
-last one holding its own parameters: wait, unpack into the parameters (one fused copy), give the buffer back to the
-pool and launch the next bucket with it. So the next forward computes with the first layers while the last ones
-are still on the wire, and no more than ``MAX_IN_FLIGHT`` bucket buffers ever exist.
+After an update (automatic optimization) the gathers are *launched*, not waited: buckets go out in parameter order
+(about the order the forward uses them) until ``MAX_IN_FLIGHT`` of them hold a pool buffer (a large parameter
+gathered into its own storage holds none and does not count: see [Note: a large parameter is its own buffer]), and
+the step returns. Each module that owns a stepped parameter has a forward pre-hook that completes, in launch order,
+every bucket up to the last one holding its own parameters: wait, unpack into the parameters (one fused copy; none
+for a parameter gathered in place), give the buffer back to the pool and launch the next buckets. So the next
+forward computes with the first layers while the last ones are still on the wire, and no more than
+``MAX_IN_FLIGHT`` bucket buffers ever exist.
 
 Correctness first: a parameter must never be read while its bucket is in flight (its rows are the previous step's).
 Reads that do not go through its module's forward are caught three ways. Inside ``training_step`` a
@@ -55,7 +57,8 @@ class ReplicatedParams:
         self._buckets: dict[tuple[ParamShard, ...], list[Bucket]] = {}
         #: Buckets launched or queued, in launch order, and the index of the first one not completed.
         self._order: list[Bucket] = []
-        self._launched: list[Pending] = []
+        #: Per launched bucket: its gather and its buffer from the pool (None: gathered into the parameter itself).
+        self._launched: list[tuple[Pending, Tensor | None] | None] = []
         self._done = 0
         #: Pending parameter (by id) -> index of its bucket in ``_order``.
         self._pending: dict[int, int] = {}
@@ -78,12 +81,11 @@ class ReplicatedParams:
         self.wait()
         key = tuple(shards)
         if key not in self._buckets:
-            self._buckets[key] = make_buckets(list(shards), self.config.bucket_bytes)
+            self._buckets[key] = make_buckets(list(shards), self.config.bucket_bytes, alone_bytes=self.config.inplace_bytes)
         self._order = list(self._buckets[key])
         self._launched, self._done = [], 0
         self._pending = {id(s.param): i for i, b in enumerate(self._order) for s in b.shards}
-        while len(self._launched) < min(MAX_IN_FLIGHT, len(self._order)):
-            self._launch_next()
+        self._launch_more()
         if not defer:
             self.wait()
 
@@ -91,26 +93,34 @@ class ReplicatedParams:
         """The shards an optimizer just stepped are gathered into their parameters, for the next forward."""
         self.gather(stepped, defer)
 
-    def _launch_next(self) -> None:
-        bucket = self._order[len(self._launched)]
-        buffer = self.pool.take(bucket.full_numel, bucket.dtype)
-        self._launched.append(self.comms.all_gather(bucket, buffer=buffer))
+    def _launch_more(self) -> None:
+        """Launch the next buckets in order while fewer than ``MAX_IN_FLIGHT`` pending ones hold a pool buffer (a
+        parameter gathered in place holds none)."""
+        while len(self._launched) < len(self._order):
+            bucket = self._order[len(self._launched)]
+            own = bucket.own_buffer([s.param for s in bucket.shards])  # a large parameter is gathered in place
+            if own is None:
+                buffered = sum(1 for launched in self._launched[self._done :] if launched[1] is not None)
+                if buffered >= MAX_IN_FLIGHT:
+                    return
+            pooled = None if own is not None else self.pool.take(bucket.full_numel, bucket.dtype)
+            self._launched.append((self.comms.all_gather(bucket, buffer=own if own is not None else pooled), pooled))
 
     def _complete_through(self, index: int) -> None:
         """Complete every bucket up to ``index`` in launch order, launching the next one as each frees its buffer."""
         self._completing = True  # the unpack's own operations touch pending parameters: not a read to guard
         try:
             while self._done <= index:
-                bucket, full = self._order[self._done], self._launched[self._done].wait()
-                bucket.unpack(full, [s.param for s in bucket.shards])
+                bucket, (pending, pooled) = self._order[self._done], self._launched[self._done]
+                bucket.unpack(pending.wait(), [s.param for s in bucket.shards])
                 for shard in bucket.shards:
                     shard.mark_written()
                     self._pending.pop(id(shard.param), None)
                 self._launched[self._done] = None
-                self.pool.give(full)
+                if pooled is not None:
+                    self.pool.give(pooled)
                 self._done += 1
-                if len(self._launched) < len(self._order):
-                    self._launch_next()
+                self._launch_more()
         finally:
             self._completing = False
 

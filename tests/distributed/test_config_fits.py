@@ -32,6 +32,7 @@ def fit_configurations(draw) -> tuple[dict, str]:
     options = {
         "stage": stage,
         "bucket_mb": draw(st.sampled_from([1e-6, 0.001, 0.01, 25.0])),
+        "inplace_mb": draw(st.sampled_from([None, 1e-6, 0.01, 1.0])),
         "reduce_dtype": draw(st.sampled_from([None, "fp32", "bf16", "fp16"])),
         "nonfinite_grads": draw(st.sampled_from(["ignore", "skip", "raise"])),
         "find_unused_parameters": draw(st.booleans()),

@@ -38,6 +38,10 @@ class Case:
 
 CASES = [Case("adamw"), Case("sgd"), Case("groups_sched"), Case("adamw", accumulate=2), Case("adamw", with_unused=True)]
 STAGES = (1, 2)
+#: "default": this model's parameters are all below ``inplace_mb``, so packed into buckets; "inplace": a tiny
+#: ``inplace_mb`` reduces and gathers every evenly split parameter in its own storage (the padded ones still packed).
+LAYOUTS = ("default", "inplace")
+INPLACE_MB = 1e-6
 
 
 def _fit(strategy, case: Case, world_size: int) -> Recorder:
@@ -59,6 +63,8 @@ def _run_all(rank: int, world_size: int) -> dict:
         for stage in STAGES:
             strategy = ZeroStrategy(stage, find_unused_parameters=True) if case.with_unused else f"zero{stage}"
             out[(case, stage)] = _fit(strategy, case, world_size)
+            inplace = ZeroStrategy(stage, find_unused_parameters=case.with_unused, inplace_mb=INPLACE_MB)
+            out[(case, stage, "inplace")] = _fit(inplace, case, world_size)
     return {key: (rec.losses, rec.params) for key, rec in out.items()}
 
 
@@ -68,12 +74,13 @@ def results(world_size: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_matches_ddp_every_step(world_size: int, stage: int, case: Case) -> None:
+def test_matches_ddp_every_step(world_size: int, stage: int, case: Case, layout: str) -> None:
     for rank, per_rank in enumerate(results(world_size)):
         ddp_losses, ddp_params = per_rank[(case, "ddp")]
-        losses, params = per_rank[(case, stage)]
+        losses, params = per_rank[(case, stage) if layout == "default" else (case, stage, layout)]
         assert len(params) == len(ddp_params) == STEPS
         assert len(losses) == STEPS * case.accumulate
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp_losses), rtol=RTOL, atol=ATOL)

@@ -45,11 +45,10 @@ def _values(name: str, any_value: bool = True) -> st.SearchStrategy:
     return st.one_of(allowed, invalid.map(lambda v: (v, False))) if any_value else allowed
 
 
-def _mib() -> Pair:
-    return (
-        st.floats(min_value=0, max_value=1e12, exclude_min=True) | st.integers(1, 10**6),
-        st.floats(max_value=0) | st.sampled_from([INF, -INF, NAN, True, False, "25", None, [1]]),
-    )
+def _mib(optional: bool = False) -> Pair:
+    valid = st.floats(min_value=0, max_value=1e12, exclude_min=True) | st.integers(1, 10**6)
+    invalid = [INF, -INF, NAN, True, False, "25", [1]] + ([] if optional else [None])
+    return (valid | st.none() if optional else valid, st.floats(max_value=0) | st.sampled_from(invalid))
 
 
 def _flag() -> Pair:
@@ -75,6 +74,7 @@ OPTION_VALUES: dict[str, Pair] = {
     ),
     "nonfinite_grads": _one_of(["skip", "raise", "ignore"], ["warn", "", "SKIP", None, 1, {"a": 1}]),
     "bucket_mb": _mib(),
+    "inplace_mb": _mib(optional=True),
     "reduce_dtype": _one_of(
         [None, "fp32", "bf16", "fp16"], ["float32", "int8", "", "FP32", 32, True, {"a": 1}, ["fp32"]]
     ),

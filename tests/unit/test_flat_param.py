@@ -114,6 +114,32 @@ def test_buckets_respect_the_cap_and_dtype() -> None:
     assert len(huge) == len(shards)  # a parameter over the cap gets a bucket of its own
 
 
+def test_large_evenly_split_parameters_get_buckets_of_their_own() -> None:
+    module = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 63), torch.nn.Linear(63, 6)
+    )
+    shards = shard_parameters(module.named_parameters(), 0, 4)
+    buckets = make_buckets(shards, bucket_bytes=2**20, alone_bytes=64 * 60 * 4)
+    names = [[s.name for s in b.shards] for b in buckets]
+    # Only 0.weight is large and splits evenly (64 rows on 4 ranks); 2.weight is as large but its 63 rows need
+    # padding, so it is packed. The packed bucket stays open across the one alone: small parameters travel together.
+    assert names == [["0.weight"], ["0.bias", "1.weight", "1.bias", "2.weight", "2.bias", "3.weight", "3.bias"]]
+    alone, packed = buckets
+    weight = module[0].weight
+    own = alone.own_buffer([weight])
+    assert own is not None and own.data_ptr() == weight.data_ptr() and own.numel() == alone.full_numel
+    assert packed.own_buffer([p for p in module.parameters()][1:]) is None
+    assert alone.own_buffer([weight.detach().t()]) is None  # not contiguous: packed through a buffer
+    assert alone.own_buffer([weight.detach().double()]) is None  # another dtype (a reduction in fp32)
+    # Packing into and unpacking from the tensor itself change nothing; its rank-major segments are its rows.
+    before = weight.detach().clone()
+    alone.pack([weight.detach()], own)
+    alone.unpack(own, [weight.detach()])
+    assert torch.equal(weight.detach(), before)
+    assert torch.equal(alone.segment(own, 2), before[32:48].reshape(-1))
+    assert len(make_buckets(shards, bucket_bytes=2**20)) == 1  # without alone_bytes everything is packed
+
+
 def test_shards_of_frozen_parameters_are_frozen_views() -> None:
     module = torch.nn.Linear(6, 4)
     module.bias.requires_grad_(False)

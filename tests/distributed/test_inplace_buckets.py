@@ -1,0 +1,93 @@
+"""Stages 1 and 2 reduce and gather a large parameter in its own storage (``inplace_mb``): same values and the same
+bytes on the wire as packing it into a bucket buffer, and no bucket buffer held for it.
+
+Each layout trains the same model on the same data, 2 ranks, in fp32 and in bf16-mixed with clipping by norm (the
+reduction then runs in the 16-bit gradients, the gather writes the cast fp32 masters into the 16-bit parameters).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.sharding.flat_param import ShardSpec
+from tests.distributed.test_memory_comm import WIDTH, WideMLP
+from tests.harness import run_on_ranks
+from tests.models import make_trainer
+
+STEPS = 4
+BUCKET_MB = 1.0  # every parameter of WideMLP fits one bucket when packed
+LAYOUTS = {"packed": None, "inplace": 0.1}  # MiB: WideMLP's 256x256 weights (0.25 MiB, 0.125 in bf16) go in place
+
+
+class Record(pl.Callback):
+    """Losses, parameters after each step and the strategy's communicated bytes per step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.params: list[torch.Tensor] = []
+        self.comm: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, *_args) -> None:
+        trainer.strategy.comm_stats.reset()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, *_args) -> None:
+        self.losses.append(float(outputs["loss"]))
+        with trainer.strategy.gathered_parameters():
+            self.params.append(torch.cat([p.detach().float().reshape(-1) for p in pl_module.parameters()]))
+        by_op = trainer.strategy.comm_stats.by_op
+        self.comm.append((by_op["reduce_scatter"].bytes, by_op["all_gather"].bytes))
+
+
+def _run(rank: int, world_size: int) -> dict:
+    out = {}
+    for precision in ("32-true", "bf16-mixed"):
+        for stage in (1, 2):
+            for layout, inplace_mb in LAYOUTS.items():
+                pl.seed_everything(0, verbose=False)
+                record = Record()
+                strategy = ZeroStrategy(stage, bucket_mb=BUCKET_MB, inplace_mb=inplace_mb)
+                trainer = make_trainer(strategy, world_size, max_steps=STEPS, callbacks=[record], precision=precision,
+                                       gradient_clip_val=0.5)
+                trainer.fit(WideMLP())
+                pool = [b.numel() * b.element_size() for b in trainer.strategy.runtime.parameters.pool.buffers()]
+                out[(precision, stage, layout)] = (record.losses, record.params, record.comm, pool)
+    return out
+
+
+@cache
+def results() -> list[dict]:
+    return run_on_ranks(_run, 2)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_inplace_layout_trains_exactly_like_the_packed_one(precision: str, stage: int) -> None:
+    for per_rank in results():
+        losses, params, comm, _ = per_rank[(precision, stage, "inplace")]
+        packed_losses, packed_params, packed_comm, _ = per_rank[(precision, stage, "packed")]
+        assert len(params) == STEPS
+        # Two ranks sum the same two numbers either way: bitwise equal, in fp32 and in bf16.
+        assert losses == packed_losses
+        assert all(torch.equal(a, b) for a, b in zip(params, packed_params))
+        assert not torch.equal(params[0], params[-1])
+        assert comm == packed_comm  # the same bytes, in more and smaller collectives
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_inplace_layout_holds_no_bucket_buffer_for_the_large_parameters(precision: str, stage: int) -> None:
+    itemsize = 4 if precision == "32-true" else 2
+    weight = WIDTH * WIDTH  # the three large weights
+    small = sum(ShardSpec(p.shape, 0, 2).padded_numel * 2 for p in WideMLP().parameters() if p.numel() != weight)
+    for per_rank in results():
+        packed_pool = per_rank[(precision, stage, "packed")][3]
+        inplace_pool = per_rank[(precision, stage, "inplace")][3]
+        # Packed: the bucket holding the whole model is kept for the next step. In place: only the bucket of the
+        # small parameters (biases, the LayerNorm, the 3-row head, padded to 4 rows).
+        assert max(packed_pool) == (3 * weight + small) * itemsize
+        assert max(inplace_pool) == small * itemsize
