@@ -11,7 +11,6 @@ import pytest
 import safetensors.torch
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError, consolidate
@@ -188,7 +187,6 @@ def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) ->
 def _load_wrong(rank, world_size, path, model_cls):
     model = model_cls()
     trainer = make_trainer(zero(2), world_size, max_steps=1)
-    before = None
     try:
         trainer.fit(model, ckpt_path=path)
     except CheckpointError as err:

@@ -23,9 +23,9 @@ from lightning.pytorch.utilities import grad_norm
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import consolidate
 from tests.distributed.semantics_models import Clamp, ConvNet
-from tests.distributed.test_lightning_semantics import Params, _assert_same_steps, _error, _fit
+from tests.distributed.test_lightning_semantics import _assert_same_steps, _error, _fit
 from tests.harness import run_on_ranks
-from tests.models import ParityModel, TinyLM, make_trainer
+from tests.models import ParityModel, TinyLM
 
 STAGES = (1, 2, 3)
 LR = 1e-2  # ParityModel's AdamW

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_zero import ZeroStrategy, model_state_bytes
+from lightning_zero import ZeroStrategy
 from tests.harness import run_on_ranks
 from tests.models import ParityModel, Recorder, TinyGAN, flat_params, make_trainer
 

@@ -1,6 +1,5 @@
 """Run under torchrun as one of several single-process "nodes"; writes what this rank saw to OUT_DIR/rank<R>.pt."""
 
-import os
 import sys
 from pathlib import Path
 
