@@ -184,8 +184,9 @@ class GradReducer:
         if key != self._plan_key:
             if key not in self._plans:
                 trainable = [s for s, t in zip(self._order, key) if t]
+                config = self.config
                 self._plans[key] = make_buckets(
-                    trainable, self.config.bucket_bytes, self.config.reduce_torch_dtype, alone_bytes=self.config.inplace_bytes
+                    trainable, config.bucket_bytes, config.reduce_torch_dtype, alone_bytes=config.inplace_bytes
                 )
             self._plan_key, self._buckets = key, self._plans[key]
             self._position = {s: (b, i) for b, bucket in enumerate(self._buckets) for i, s in enumerate(bucket.shards)}
@@ -218,16 +219,16 @@ class GradReducer:
         bucket = self._buckets[index]
         grads = [s.param.grad if used is None or used[i] else None for i, s in enumerate(bucket.shards)]
         buffer = bucket.own_buffer(grads)  # a large gradient is reduced where it is
-        pooled = buffer is None
-        if pooled:
-            buffer = self.pool.take(bucket.full_numel, bucket.dtype)
+        pooled = None
+        if buffer is None:
+            buffer = pooled = self.pool.take(bucket.full_numel, bucket.dtype)
         pending = self.comms.reduce_scatter(bucket, grads, buffer=buffer)
         if not self.keep_full_grads:
             for shard in bucket.shards:
                 shard.param.grad = None
         self._next_launch = index + 1
         self._in_flight.add(
-            pending, lambda reduced: self._store(bucket, grads, reduced, used, buffer if pooled else None), pooled
+            pending, lambda reduced: self._store(bucket, grads, reduced, used, pooled), buffered=pooled is not None
         )
 
     def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None,

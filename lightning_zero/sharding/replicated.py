@@ -81,7 +81,7 @@ class ReplicatedParams:
         self.wait()
         key = tuple(shards)
         if key not in self._buckets:
-            self._buckets[key] = make_buckets(list(shards), self.config.bucket_bytes, alone_bytes=self.config.inplace_bytes)
+            self._buckets[key] = make_buckets(shards, self.config.bucket_bytes, alone_bytes=self.config.inplace_bytes)
         self._order = list(self._buckets[key])
         self._launched, self._done = [], 0
         self._pending = {id(s.param): i for i, b in enumerate(self._order) for s in b.shards}
@@ -98,13 +98,13 @@ class ReplicatedParams:
         parameter gathered in place holds none)."""
         while len(self._launched) < len(self._order):
             bucket = self._order[len(self._launched)]
-            own = bucket.own_buffer([s.param for s in bucket.shards])  # a large parameter is gathered in place
-            if own is None:
-                buffered = sum(1 for launched in self._launched[self._done :] if launched[1] is not None)
-                if buffered >= MAX_IN_FLIGHT:
+            buffer = bucket.own_buffer([s.param for s in bucket.shards])  # a large parameter is gathered in place
+            pooled = None
+            if buffer is None:
+                if sum(held is not None for _, held in self._launched[self._done :]) >= MAX_IN_FLIGHT:
                     return
-            pooled = None if own is not None else self.pool.take(bucket.full_numel, bucket.dtype)
-            self._launched.append((self.comms.all_gather(bucket, buffer=own if own is not None else pooled), pooled))
+                buffer = pooled = self.pool.take(bucket.full_numel, bucket.dtype)
+            self._launched.append((self.comms.all_gather(bucket, buffer=buffer), pooled))
 
     def _complete_through(self, index: int) -> None:
         """Complete every bucket up to ``index`` in launch order, launching the next one as each frees its buffer."""
