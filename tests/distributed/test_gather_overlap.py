@@ -103,6 +103,8 @@ def _run(rank: int, world_size: int) -> dict:
     for stage in (1, 2):
         out[stage] = _fit(ZeroStrategy(stage=stage, bucket_mb=0.002), reader=False)  # several buckets
         out[stage, "reader"] = _fit(ZeroStrategy(stage=stage, bucket_mb=0.002), reader=True)
+        # Every evenly split parameter (``pos`` included) gathered straight into its own storage while in flight.
+        out[stage, "inplace"] = _fit(ZeroStrategy(stage=stage, bucket_mb=0.002, inplace_mb=1e-6), reader=False)
     return {k: (v[0].losses, v[0].in_flight, getattr(v[1], "sums", None), v[2]) for k, v in out.items()}
 
 
@@ -111,11 +113,12 @@ def results() -> list[dict]:
     return run_on_ranks(_run, 2)
 
 
+@pytest.mark.parametrize("layout", ["packed", "inplace"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_forwards_with_gathers_in_flight_match_ddp(stage: int) -> None:
+def test_forwards_with_gathers_in_flight_match_ddp(stage: int, layout: str) -> None:
     for per_rank in results():
         ddp_losses, _, _, ddp_final = per_rank["ddp"]
-        losses, in_flight, _, final = per_rank[stage]
+        losses, in_flight, _, final = per_rank[stage] if layout == "packed" else per_rank[stage, layout]
         assert all(in_flight), "nothing declared to read parameters: the gathers stay in flight past the step"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp_losses), rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(final, ddp_final, rtol=RTOL, atol=ATOL)
