@@ -254,7 +254,7 @@ class ZeroConfig:
                 f"on every rank), got stage={self.stage}: use offload_optimizer to offload stage {self.stage}'s states"
             )
         policy = self.activation_checkpointing_policy
-        entries = policy if isinstance(policy, (tuple, list)) else [None]  # a string or a class alone is not a list
+        entries = policy if isinstance(policy, (tuple, list, set, frozenset)) else [None]  # a str or class: no list
         if not all(isinstance(p, type) or (isinstance(p, str) and p) for p in entries):
             raise ZeroConfigError(
                 f"activation_checkpointing_policy={policy!r} is invalid: it must be a list of module classes or "
@@ -265,12 +265,13 @@ class ZeroConfig:
     def from_options(cls, **options: Any) -> ZeroConfig:
         """Build from flat option names (``stage=3, prefetch=2, bucket_mb=50``), each routed to its component.
 
-        Lists are accepted where a tuple is expected (they come from YAML and the command line).
+        Lists (from YAML and the command line) and sets (``activation_checkpointing_policy={Block}``, as Lightning's
+        FSDP takes it) are accepted where a tuple is expected.
         """
         unknown = sorted(set(options) - set(option_defaults()))
         if unknown:
             raise TypeError(f"ZeroStrategy() got an unexpected keyword argument {unknown[0]!r}")
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        options = {k: tuple(v) if isinstance(v, (list, set, frozenset)) else v for k, v in options.items()}
         parts = {name: component(**_own(component, options)) for name, component in _COMPONENTS.items()}
         return cls(**_own(cls, options), **parts)
 
@@ -312,7 +313,10 @@ def check_launch_settings(start_method: Any = None, process_group_backend: Any =
         raise ZeroConfigError(f"start_method={start_method!r} is invalid: allowed values are {', '.join(methods)}")
     known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]  # fake: torch's own tests'
     available = [b for b in known if dist.is_backend_available(b)]
-    if process_group_backend is not None and process_group_backend not in available:
+    names = None  # a composite backend ("cpu:gloo,cuda:nccl") names one backend per device type
+    if isinstance(process_group_backend, str):
+        names = [part.split(":")[-1] for part in process_group_backend.split(",")]
+    if process_group_backend is not None and not (names and all(name in available for name in names)):
         raise ZeroConfigError(
             f"process_group_backend={process_group_backend!r} is invalid: allowed values are {', '.join(available)}, "
             "or none for the accelerator's default"

@@ -85,6 +85,7 @@ def test_fp16_mixed_gets_sharded_loss_scaling() -> None:
     ("kwargs", "message"),
     [
         ({"process_group_backend": "bogus"}, "process_group_backend='bogus' is invalid: allowed values are gloo"),
+        ({"process_group_backend": "cpu:bogus"}, "process_group_backend='cpu:bogus' is invalid"),
         ({"timeout": 5}, "timeout=5 is invalid: it must be a datetime.timedelta"),
         ({"start_method": "bogus"}, "start_method='bogus' is invalid: allowed values are popen, "),
     ],
@@ -93,3 +94,12 @@ def test_launch_settings_are_checked_when_the_strategy_is_built(kwargs, message)
     # Lightning and torch.distributed take these and fail later, on every rank: refused here, before any launch.
     with pytest.raises(ZeroConfigError, match=re.escape(message)):
         ZeroStrategy(stage=2, **kwargs)
+
+
+def test_composite_backends_and_policy_sets_are_accepted_as_lightning_takes_them() -> None:
+    # torch.distributed takes one backend per device type; Lightning's FSDP takes the checkpointing policy as a set.
+    assert ZeroStrategy(stage=2, process_group_backend="cpu:gloo")._process_group_backend == "cpu:gloo"
+    strategy = ZeroStrategy(stage=3, activation_checkpointing_policy={torch.nn.Linear})
+    assert strategy.config.activation_checkpointing_policy == (torch.nn.Linear,)
+    with pytest.raises(ZeroConfigError, match="activation_checkpointing_policy"):
+        ZeroStrategy(stage=3, activation_checkpointing_policy={torch.nn.Linear, 3})
