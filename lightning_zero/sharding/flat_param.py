@@ -367,8 +367,8 @@ def make_buckets(
         if shard.spec.numel == 0:
             continue
         if alone_bytes is not None and shard.spec.numel == shard.spec.padded_numel * shard.spec.world_size:
-            buffer_dtype = _buffer_dtype(shard, dtype)
-            if shard.spec.numel * buffer_dtype.itemsize >= alone_bytes:
+            buffer_dtype = _buffer_dtype(shard, dtype)  # another dtype (a reduction in fp32) always needs a buffer
+            if buffer_dtype == shard.dtype and shard.spec.numel * buffer_dtype.itemsize >= alone_bytes:
                 buckets.append(Bucket([shard], buffer_dtype))  # the packed bucket being filled stays open
                 continue
         size = shard.spec.padded_numel * shard.spec.world_size * shard.dtype.itemsize

@@ -18,8 +18,9 @@ Stage 1 keeps full gradients, as DDP does: micro-batches accumulate into ``param
 written into the full gradient's own rows, which ``param.grad`` then shows (a view; see [Note: the reduced gradient
 lives in param.grad]). Stage 2 reduces on every backward, adds the averaged rows into a persistent shard-sized buffer
 per parameter, and frees each full gradient as soon as its bucket is packed. A large gradient is not packed: it is
-its own bucket and is reduced in place (see [Note: a large parameter is its own buffer]); at most ``MAX_IN_FLIGHT``
-reductions that hold a pool buffer are pending at once, in-place ones are not capped.
+its own bucket and is reduced in place (see [Note: a large parameter is its own buffer]). At most ``MAX_IN_FLIGHT``
+reductions that hold a pool buffer, or under stage 2 a full gradient, are pending at once; stage 1's in-place ones
+are not capped (their full gradients persist anyway).
 """
 
 from __future__ import annotations
@@ -227,9 +228,10 @@ class GradReducer:
             for shard in bucket.shards:
                 shard.param.grad = None
         self._next_launch = index + 1
-        self._in_flight.add(
-            pending, lambda reduced: self._store(bucket, grads, reduced, used, pooled), buffered=pooled is not None
-        )
+        # An in-place reduction holds no buffer, but under stage 2 it holds a full gradient that is freed only once
+        # it completes: it counts towards the cap there, as a pooled buffer does.
+        buffered = pooled is not None or not self.keep_full_grads
+        self._in_flight.add(pending, lambda reduced: self._store(bucket, grads, reduced, used, pooled), buffered)
 
     def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None,
                pooled: Tensor | None) -> None:

@@ -81,7 +81,11 @@ class ReplicatedParams:
         self.wait()
         key = tuple(shards)
         if key not in self._buckets:
-            self._buckets[key] = make_buckets(shards, self.config.bucket_bytes, alone_bytes=self.config.inplace_bytes)
+            # In parameter order, as the next forward uses them: a packed bucket (kept open across the large
+            # parameters) goes where its first parameter is, not after the large ones it spans.
+            position = {shard: i for i, shard in enumerate(shards)}
+            buckets = make_buckets(shards, self.config.bucket_bytes, alone_bytes=self.config.inplace_bytes)
+            self._buckets[key] = sorted(buckets, key=lambda bucket: position[bucket.shards[0]])
         self._order = list(self._buckets[key])
         self._launched, self._done = [], 0
         self._pending = {id(s.param): i for i, b in enumerate(self._order) for s in b.shards}

@@ -174,6 +174,9 @@ class ZeroRuntime:
         self.parameters.wait()
 
     def pre_backward(self) -> None:
+        # Gathers a forward left in flight (a module it skipped) are completed first: every rank then issues its
+        # backward's reductions after the same gathers, whatever its forward ran.
+        self.parameters.wait()
         self.gradients.pre_backward()
 
     def post_backward(self) -> None:

@@ -54,8 +54,11 @@ def _run(rank: int, world_size: int) -> dict:
                 trainer = make_trainer(strategy, world_size, max_steps=STEPS, callbacks=[record], precision=precision,
                                        gradient_clip_val=0.5)
                 trainer.fit(WideMLP())
-                pool = [b.numel() * b.element_size() for b in trainer.strategy.runtime.parameters.pool.buffers()]
-                out[(precision, stage, layout)] = (record.losses, record.params, record.comm, pool)
+                params = trainer.strategy.runtime.parameters
+                pool = [b.numel() * b.element_size() for b in params.pool.buffers()]
+                names = [name for name, _ in trainer.lightning_module.named_parameters()]
+                gather_order = [names.index(bucket.shards[0].name) for bucket in params._order]
+                out[(precision, stage, layout)] = (record.losses, record.params, record.comm, pool, gather_order)
     return out
 
 
@@ -68,8 +71,8 @@ def results() -> list[dict]:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_inplace_layout_trains_exactly_like_the_packed_one(precision: str, stage: int) -> None:
     for per_rank in results():
-        losses, params, comm, _ = per_rank[(precision, stage, "inplace")]
-        packed_losses, packed_params, packed_comm, _ = per_rank[(precision, stage, "packed")]
+        losses, params, comm, *_ = per_rank[(precision, stage, "inplace")]
+        packed_losses, packed_params, packed_comm, *_ = per_rank[(precision, stage, "packed")]
         assert len(params) == STEPS
         # Two ranks sum the same two numbers either way: bitwise equal, in fp32 and in bf16.
         assert losses == packed_losses
@@ -91,3 +94,11 @@ def test_inplace_layout_holds_no_bucket_buffer_for_the_large_parameters(precisio
         # small parameters (biases, the LayerNorm, the 3-row head, padded to 4 rows).
         assert max(packed_pool) == (3 * weight + small) * itemsize
         assert max(inplace_pool) == small * itemsize
+
+
+def test_inplace_layout_gathers_in_the_order_the_forward_uses_the_parameters() -> None:
+    # The packed bucket of small parameters stays open across the large ones, but is gathered where its first
+    # parameter (the first Linear's bias) is: before the second weight, not after the last one.
+    for per_rank in results():
+        order = per_rank[("32-true", 1, "inplace")][4]
+        assert len(order) == 4 and order == sorted(order)

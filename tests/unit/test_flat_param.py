@@ -138,6 +138,8 @@ def test_large_evenly_split_parameters_get_buckets_of_their_own() -> None:
     assert torch.equal(weight.detach(), before)
     assert torch.equal(alone.segment(own, 2), before[32:48].reshape(-1))
     assert len(make_buckets(shards, bucket_bytes=2**20)) == 1  # without alone_bytes everything is packed
+    # Reduced in another dtype, a gradient always needs a buffer: a bucket of its own would only add collectives.
+    assert len(make_buckets(shards, bucket_bytes=2**20, dtype=torch.float64, alone_bytes=1)) == 1
 
 
 def test_shards_of_frozen_parameters_are_frozen_views() -> None:
