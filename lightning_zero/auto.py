@@ -22,7 +22,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -110,9 +110,11 @@ def choose(
             f"allowed values are {', '.join(estimate.PRECISIONS)}"
         )
     indexes = run_devices(accelerator, devices)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise AutoStrategyError(f"trainer.num_nodes={num_nodes!r} is invalid: it must be an int > 0")
     recommendation = estimate.recommend(
         counts.total,
-        len(indexes) * int(num_nodes),
+        len(indexes) * num_nodes,
         rank_budget(auto, accelerator, indexes),
         precision,
         auto.bucket_mb,
@@ -160,14 +162,26 @@ def shared_with_ranks(choice: AutoChoice | None) -> Iterator[None]:
 
 
 def run_devices(accelerator: str, devices: Any) -> list[int]:
-    """Indexes of the devices of one node the run will use."""
-    import torch
+    """Indexes of the devices of one node the run will use, parsed as the ``Trainer`` parses ``devices``.
 
-    if isinstance(devices, Sequence) and not isinstance(devices, str):
-        return [int(d) for d in devices]
-    if str(devices) in ("auto", "-1"):
-        return list(range(torch.cuda.device_count())) if _on_cuda(accelerator) else [0]
-    return list(range(int(devices)))
+    A value the ``Trainer`` would refuse is refused here, with Lightning's reason, before anything is sized for it.
+    """
+    import torch
+    from lightning.fabric.accelerators.cpu import _parse_cpu_cores
+    from lightning.fabric.utilities.device_parser import _parse_gpu_ids
+
+    from lightning_zero.cli.errors import first_line
+
+    on_cuda = _on_cuda(accelerator)
+    if str(devices) == "auto":
+        devices = torch.cuda.device_count() if on_cuda else 1
+    try:
+        indexes = _parse_gpu_ids(devices, include_cuda=True) if on_cuda else list(range(_parse_cpu_cores(devices)))
+    except Exception as err:  # Lightning raises TypeError, ValueError or MisconfigurationException
+        raise AutoStrategyError(f"trainer.devices={devices!r} is invalid: {first_line(err)}") from None
+    if not indexes:
+        raise AutoStrategyError(f"trainer.devices={devices!r} is invalid: it selects no device")
+    return list(indexes)
 
 
 def rank_budget(auto: AutoStrategy, accelerator: str, devices: list[int]) -> estimate.Budget:

@@ -218,7 +218,7 @@ def _choose(strategy: auto.AutoStrategy, counts: Any, trainer_cfg: Any, precisio
             precision,
             accelerator=str(trainer.get("accelerator", "auto")),
             devices=trainer.get("devices", "auto"),
-            num_nodes=int(trainer.get("num_nodes", 1)),
+            num_nodes=trainer.get("num_nodes", 1),
         )
     except auto.AutoStrategyError as err:
         raise UsageError(str(err)) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy, auto, config
@@ -87,9 +88,40 @@ def test_build_gives_the_chosen_strategy_with_the_auto_settings():
     assert (host.stage, host.offload.offload_optimizer, host.offload.offload_params) == (3, "cpu", "cpu")
 
 
-@pytest.mark.parametrize(("devices", "indexes"), [(2, [0, 1]), ([1, 3], [1, 3]), ("auto", [0]), ("-1", [0])])
+@pytest.mark.parametrize(("devices", "indexes"), [(2, [0, 1]), ("3", [0, 1, 2]), ("auto", [0])])
 def test_run_devices_on_cpu(devices, indexes):
     assert auto.run_devices("cpu", devices) == indexes
+
+
+@pytest.mark.parametrize(("devices", "indexes"), [(2, [0, 1]), ([1], [1]), ("1,", [1]), (-1, [0, 1]), ("auto", [0, 1])])
+def test_run_devices_on_cuda(two_gpus, devices, indexes):
+    assert auto.run_devices("cuda", devices) == indexes
+
+
+@pytest.mark.parametrize(
+    ("on_cuda", "devices", "reason"),
+    [
+        # As the Trainer refuses them: a CPU run takes a count, not indexes, and only existing GPUs can be named.
+        (False, "abc", "`devices` selected with `CPUAccelerator` should be an int > 0."),
+        (False, 0, "`devices` selected with `CPUAccelerator` should be an int > 0."),
+        (False, "-1", "`devices` selected with `CPUAccelerator` should be an int > 0."),
+        (False, 2.5, "`devices` selected with `CPUAccelerator` should be an int > 0."),
+        (False, [1, 3], "`devices` selected with `CPUAccelerator` should be an int > 0."),
+        (True, [1, 3], "You requested gpu: [1, 3]"),
+        (True, 0, "it selects no device"),
+    ],
+)
+def test_run_devices_refuses_what_the_trainer_refuses(request, on_cuda, devices, reason):
+    if on_cuda:
+        request.getfixturevalue("two_gpus")
+    with pytest.raises(AutoStrategyError) as refused:
+        auto.run_devices("cuda" if on_cuda else "cpu", devices)
+    assert str(refused.value) == f"trainer.devices={devices!r} is invalid: {reason}"
+
+
+def test_a_bad_node_count_is_refused():
+    with pytest.raises(AutoStrategyError, match=r"^trainer.num_nodes='2' is invalid: it must be an int > 0$"):
+        auto.choose(AutoStrategy(), PSI, "32-true", accelerator="cpu", devices=2, num_nodes="2")
 
 
 @pytest.mark.parametrize(
@@ -129,7 +161,11 @@ GIB = 2**30
 @pytest.fixture
 def two_gpus(monkeypatch):
     """A CUDA run on 2 devices with 6 GiB free each and 40 GiB of host memory available, without a GPU."""
+    from lightning.fabric.accelerators import cuda
+
     monkeypatch.setattr(auto, "_on_cuda", lambda accelerator: True)
+    monkeypatch.setattr(cuda, "_get_all_visible_cuda_devices", lambda: [0, 1])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(auto, "cuda_free_bytes", lambda device: 6 * GIB)
     monkeypatch.setattr(auto, "available_host_bytes", lambda: 40 * GIB)
 
