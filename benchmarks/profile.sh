@@ -13,10 +13,11 @@ WORK=bench_work/profiles
 mkdir -p "$OUT" "$WORK"
 LZ=lightning_zero.sharding
 TIMERS="zbench.model:BenchGPT.forward,torch._tensor:Tensor.backward,torch.optim.adamw:AdamW.step"
-TIMERS+=",$LZ.optimizer:gather_into_full,$LZ.grad_hooks:GradReducer._launch,$LZ.grad_hooks:GradReducer.finish"
-TIMERS+=",$LZ.grad_hooks:FullGradReducer._store,$LZ.grad_hooks:ShardGradReducer._store"
-TIMERS+=",$LZ.flat_param:FlatLayout.pack,$LZ.flat_param:FlatLayout.unpack,$LZ.flat_param:FlatLayout.pack_local"
-TIMERS+=",$LZ.collectives:Handle.wait,$LZ.param_hooks:Unit.wait_unshard,$LZ.param_hooks:Unit.start_unshard"
+TIMERS+=",$LZ.grad_hooks:GradReducer._launch,$LZ.grad_hooks:GradReducer.finish,$LZ.grad_hooks:GradShards.store"
+TIMERS+=",$LZ.flat_param:Bucket.pack,$LZ.flat_param:Bucket.unpack,$LZ.flat_param:Bucket.pack_local"
+TIMERS+=",$LZ.flat_param:Bucket.unpack_to_storage,$LZ.collectives:Pending.wait"
+TIMERS+=",$LZ.replicated:ReplicatedParams._launch_more,$LZ.replicated:ReplicatedParams._complete_through"
+TIMERS+=",$LZ.unit_state:Unit.wait_unshard,$LZ.unit_state:Unit.start_unshard,$LZ.param_hooks:ShardedParams._launch_reduce"
 
 # 1. Where a step's time goes, per function (rank 0), 2 ranks and 1 rank.
 $PY benchmarks/compare.py --only M-2 --rounds 1 --steps 8 --timers "$TIMERS" \

@@ -54,7 +54,7 @@ class CommConfig:
     """
 
     bucket_mb: float = 25.0
-    inplace_mb: float | None = 0.25
+    inplace_mb: float | None = 1.0
     reduce_dtype: str | None = None
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True

@@ -12,8 +12,9 @@ The per-rank volume is then the ring-algorithm figure of the op that was actuall
 ``2(N-1)/N * n``, reduce-scatter and all-gather ``(N-1)/N * n``, broadcast ``(N-1)/N * n`` (a pipelined broadcast
 forwards the buffer once per non-root rank; ``N`` broadcasts of ``n/N`` each cost what an all-gather of ``n`` costs).
 Tables divide it by ``(N-1)/N * Psi * 4 bytes`` so that DDP reads 2 and textbook ZeRO-3 reads 3 at any ``N``.
-Note that this counts what each implementation *issues*: lightning_zero on gloo implements its reduce-scatter as an
-all-reduce (faster on gloo, see lightning_zero/sharding/collectives.py), which this count charges as an all-reduce.
+A point-to-point send (``isend``, ``send``) counts the bytes it sends: lightning_zero's reduce-scatter off NCCL is
+one send of each other rank's segment (see lightning_zero/sharding/collectives.py), ``(N-1)/N * n`` per rank as a
+ring reduce-scatter. Note that this counts what each implementation *issues*.
 The bytes written to sockets (``/proc/self/io`` ``wchar``) are recorded beside it as a cross-check.
 
 [Note: memory]
@@ -62,8 +63,9 @@ _COLLECTIVES = {
 }
 
 #: Per-rank ring volume of one op on a buffer of n bytes, as a multiple of (N-1)/N * n.
+#: A point-to-point send counts its own bytes (what it puts on the wire).
 RING_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0, "reduce": 1.0,
-               "all_to_all": 1.0, "gather": 1.0, "scatter": 1.0, "p2p": 1.0}
+               "all_to_all": 1.0, "gather": 1.0, "scatter": 1.0}
 
 
 def _nb(t) -> int:
@@ -138,8 +140,8 @@ def ring_bytes(by_op: dict[str, tuple[int, int]], world: int) -> float:
     """Per-rank ring-algorithm bytes of the ops in ``by_op`` (see [Note: communication])."""
     if world <= 1:
         return 0.0
-    total = sum(RING_FACTOR.get(op.split("(")[0], 1.0) * nbytes for op, (_, nbytes) in by_op.items())
-    return total * (world - 1) / world
+    total = sum(RING_FACTOR.get(op.split("(")[0], 1.0) * nbytes for op, (_, nbytes) in by_op.items() if op != "p2p")
+    return total * (world - 1) / world + by_op.get("p2p", (0, 0))[1]
 
 
 def wchar() -> int:

@@ -38,11 +38,9 @@ LOSS_RTOL = 1e-4
 
 
 def _ring(comm: dict, world: int) -> float:
-    from zbench.measure import RING_FACTOR
+    from zbench.measure import ring_bytes
 
-    if world <= 1:
-        return 0.0
-    return sum(RING_FACTOR.get(op.split("(")[0], 1.0) * b for op, (_, b) in comm.items()) * (world - 1) / world
+    return ring_bytes(comm, world)
 
 
 def summarize(results: dict) -> dict[str, dict[str, dict]]:

@@ -6,21 +6,25 @@ rank-major buffers here, in one fused copy, and ``InFlight`` is the one pipeline
 caps how many are pending and completes them in order.
 
 [Note: which algorithm each collective uses]
-On NCCL the native ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` are bandwidth-optimal and used as they
-are. On gloo they are not: measured on 2 CPU processes with a 20.5M-element fp32 buffer (shared/DESIGN.md),
+On NCCL the native ``reduce_scatter_single`` and ``all_gather_single`` are bandwidth-optimal and used as they are. On
+gloo they are not: measured on 2 CPU processes with a 20.5M-element fp32 buffer (shared/DESIGN.md),
 ``reduce_scatter_tensor`` took 163 ms against 85 ms for an all-reduce followed by taking one's own slice, and
 ``all_gather_into_tensor`` took 151 ms against 48 ms for one async broadcast per rank into the output slices. So on
-any backend other than NCCL the reduce-scatter is an all-reduce of the rank-major buffer (the rank keeps its
-segment) and the all-gather is ``N`` concurrent broadcasts. Both give identical results; only speed differs.
-Re-measured with torch 2.13 (same buffer, 2 ranks, one thread each): reduce-scatter 157-197 ms against 101-123 ms for
-the all-reduce, all-gather 105-202 ms against 30-47 ms for the broadcasts.
+any backend other than NCCL the all-gather is ``N`` concurrent broadcasts, and the reduce-scatter is an exchange:
+each rank sends segment ``p`` of its rank-major buffer to rank ``p`` (``batch_isend_irecv``), receives the other
+ranks' copies of its own segment and adds them to it, in rank order. That moves ``(N-1)/N`` of the buffer per rank,
+as a ring reduce-scatter does and half of what an all-reduce moves; measured with torch 2.13 on a 5.1M-element fp32
+buffer (one thread per rank), 17-23 ms against 28-35 ms for the all-reduce at 2 ranks, 30-37 ms against 50-72 ms at
+4. At 2 ranks the sum is bitwise an all-reduce's (one addition); at more, the order of additions differs from gloo's
+ring by the last bits. The received segments, ``(N-1)/N`` of the buffer, are held until the reduction completes
+(``Pending.held_bytes``, bounded by ``InFlight``).
 
 [Note: what the byte accounting counts]
 Every call records the *logical* volume per rank of the operation the algorithm needs, as a ring implementation
 moves it: ``(N-1)/N`` of the full buffer for a reduce-scatter or an all-gather, ``2(N-1)/N`` for an all-reduce and
 the tensor's size for a broadcast. That is the hardware-independent figure the ZeRO paper's 2Ψ and 3Ψ refer to. The
-bytes the chosen algorithm actually puts on the wire (more, for gloo's all-reduce-based reduce-scatter) are kept
-beside it as ``wire_bytes``.
+bytes the chosen algorithm actually puts on the wire are kept beside it as ``wire_bytes`` (the same figures now that
+no collective is emulated by a larger one).
 """
 
 from __future__ import annotations
@@ -81,9 +85,11 @@ class CommStats:
 class Pending:
     """An in-flight collective; ``wait()`` blocks until it is done and returns its result (once computed)."""
 
-    def __init__(self, works: list, result: Callable[[], Any]) -> None:
+    def __init__(self, works: list, result: Callable[[], Any], held_bytes: int = 0) -> None:
         self._works = works
         self._result = result
+        #: Memory the collective itself holds until it completes, besides the caller's tensors.
+        self.held_bytes = held_bytes
         self._value: Any = None
         self._done = False
 
@@ -97,18 +103,25 @@ class Pending:
 
 
 class InFlight:
-    """Collectives launched bucket by bucket and completed in launch order, at most ``limit`` of those holding a
-    bucket buffer pending at once (one running on a tensor in place holds no extra memory, so does not count)."""
+    """Collectives launched bucket by bucket and completed in launch order, bounding the transient memory they hold
+    (a bucket buffer, a full gradient freed on completion, the segments a reduce-scatter receives): the oldest is
+    completed while more than ``limit`` of those holding memory are pending and, with ``limit_bytes``, they hold more
+    than that many bytes together. One running on a tensor in place and receiving nothing holds no extra memory, so
+    does not count."""
 
-    def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
+    def __init__(self, limit: int = MAX_IN_FLIGHT, limit_bytes: int = 0) -> None:
         self.limit = limit
-        self._queue: deque[tuple[Pending, Callable[[Any], None], bool]] = deque()
-        self._buffered = 0
+        self.limit_bytes = limit_bytes
+        self._queue: deque[tuple[Pending, Callable[[Any], None], int]] = deque()
+        self._holding = 0
+        self._held_bytes = 0
 
-    def add(self, pending: Pending, on_done: Callable[[Any], None], buffered: bool = True) -> None:
-        self._queue.append((pending, on_done, buffered))
-        self._buffered += buffered
-        while self._buffered > self.limit:
+    def add(self, pending: Pending, on_done: Callable[[Any], None], held_bytes: int) -> None:
+        """Queue ``pending``, which holds ``held_bytes`` of transient memory until ``on_done`` has consumed it."""
+        self._queue.append((pending, on_done, held_bytes))
+        self._holding += held_bytes > 0
+        self._held_bytes += held_bytes
+        while self._holding > self.limit and self._held_bytes > self.limit_bytes:
             self._complete_oldest()
 
     def drain(self) -> None:
@@ -119,8 +132,9 @@ class InFlight:
         return len(self._queue)
 
     def _complete_oldest(self) -> None:
-        pending, on_done, buffered = self._queue.popleft()
-        self._buffered -= buffered
+        pending, on_done, held_bytes = self._queue.popleft()
+        self._holding -= held_bytes > 0
+        self._held_bytes -= held_bytes
         on_done(pending.wait())
 
 
@@ -185,6 +199,7 @@ class Collectives:
         self.local = not self.distributed or (self.world_size == 1 and shortcut_single_rank)
         self.stats = stats if stats is not None else CommStats()
         self._control: dist.ProcessGroup | None = None
+        self._exchanges = 0
 
     def check(self, what: str, where: Tensor | torch.device) -> None:
         """Raise, naming ``what``, unless ``where`` (a tensor or a device) is this group's device."""
@@ -220,10 +235,24 @@ class Collectives:
             out = bucket.empty(bucket.segment_numel)
             work = _native("reduce_scatter_single", "reduce_scatter_tensor")(out, buffer, group=self.group, async_op=True)
             self.stats.record("reduce_scatter", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
-            return Pending([work], lambda: bucket.local_views(out))
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        self.stats.record("reduce_scatter", nbytes * (n - 1) / n, 2 * nbytes * (n - 1) / n)
-        return Pending([work], lambda: bucket.local_views(bucket.segment(buffer)))
+            return Pending([work], lambda: bucket.local_views(out), out.numel() * out.element_size())
+        received = torch.empty(n - 1, bucket.segment_numel, dtype=buffer.dtype, device=buffer.device)
+        works = self._swap_segments(buffer.view(n, -1), received)
+        self.stats.record("reduce_scatter", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
+        held = received.numel() * received.element_size()
+        return Pending(works, lambda: bucket.local_views(_add_rows(bucket.segment(buffer), received)), held)
+
+    def _swap_segments(self, table: Tensor, received: Tensor) -> list:
+        """Send row ``p`` of ``table`` to group rank ``p`` and receive each other rank's row of this rank into
+        ``received`` (in rank order): the exchange of a reduce-scatter (see [Note: which algorithm each collective
+        uses]). Tagged per call, so that exchanges in flight together never match each other's messages."""
+        self._exchanges += 1
+        tag = self._exchanges % _MAX_TAG
+        ops = []
+        for i, peer in enumerate(p for p in range(self.world_size) if p != self.rank):
+            ops.append(dist.P2POp(dist.isend, table[peer], self._global_rank(peer), self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, received[i], self._global_rank(peer), self.group, tag))
+        return dist.batch_isend_irecv(ops) if ops else []  # alone (shortcut_single_rank=False): nothing to swap
 
     def all_gather(
         self, bucket: Bucket, shards: Sequence[Tensor] | None = None, buffer: Tensor | None = None
@@ -307,6 +336,17 @@ class Collectives:
 
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
         return DeviceMesh(self.device.type, ranks)
+
+
+#: Point-to-point tags stay below this (gloo takes any 32-bit tag; ranks count exchanges alike, so tags agree).
+_MAX_TAG = 1 << 30
+
+
+def _add_rows(segment: Tensor, received: Tensor) -> Tensor:
+    """``segment`` plus each row of ``received``, in place, in rank order (at 2 ranks exactly an all-reduce's sum)."""
+    for row in received:
+        segment.add_(row)
+    return segment
 
 
 def _native(name: str, before_2_13: str) -> Callable:

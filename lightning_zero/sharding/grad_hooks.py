@@ -19,8 +19,9 @@ written into the full gradient's own rows, which ``param.grad`` then shows (a vi
 lives in param.grad]). Stage 2 reduces on every backward, adds the averaged rows into a persistent shard-sized buffer
 per parameter, and frees each full gradient as soon as its bucket is packed. A large gradient is not packed: it is
 its own bucket and is reduced in place (see [Note: a large parameter is its own buffer]). At most ``MAX_IN_FLIGHT``
-reductions that hold a pool buffer, or under stage 2 a full gradient, are pending at once; stage 1's in-place ones
-are not capped (their full gradients persist anyway).
+reductions that hold memory until they complete (a pool buffer, under stage 2 a full gradient, off NCCL the segments
+they receive) are pending at once, or more while together they hold at most ``MAX_IN_FLIGHT`` buckets' bytes; stage
+1's in-place ones on NCCL hold nothing and are not capped (their full gradients persist anyway).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_zero.config import CommConfig
-from lightning_zero.sharding.collectives import BufferPool, Collectives, InFlight
+from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
 
@@ -161,7 +162,7 @@ class GradReducer:
         self._position: dict[ParamShard, tuple[int, int]] = {}
         self._ready: list[list[bool]] = []
         self._next_launch = 0
-        self._in_flight = InFlight()
+        self._in_flight = InFlight(limit_bytes=MAX_IN_FLIGHT * config.bucket_bytes)
         self._deferring = False
         self._started = False
         self._warned_unused = False
@@ -228,10 +229,11 @@ class GradReducer:
             for shard in bucket.shards:
                 shard.param.grad = None
         self._next_launch = index + 1
-        # An in-place reduction holds no buffer, but under stage 2 it holds a full gradient that is freed only once
-        # it completes: it counts towards the cap there, as a pooled buffer does.
-        buffered = pooled is not None or not self.keep_full_grads
-        self._in_flight.add(pending, lambda reduced: self._store(bucket, grads, reduced, used, pooled), buffered)
+        # What stays allocated until the reduction completes: the pool buffer, or under stage 2 the full gradient
+        # reduced in place (freed once its rows are stored), and off NCCL the segments it receives.
+        holds_buffer = pooled is not None or not self.keep_full_grads
+        held = pending.held_bytes + (buffer.numel() * buffer.element_size() if holds_buffer else 0)
+        self._in_flight.add(pending, lambda reduced: self._store(bucket, grads, reduced, used, pooled), held)
 
     def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None,
                pooled: Tensor | None) -> None:

@@ -172,7 +172,8 @@ class ShardedParams:
             pending = self.comms.reduce_scatter(bucket, grads)
             for shard in bucket.shards:
                 shard.param.grad = None
-            self._in_flight.add(pending, lambda reduced, b=bucket, g=grads: self._store(b, g, reduced))
+            held = pending.held_bytes + bucket.full_numel * bucket.dtype.itemsize  # the packed buffer
+            self._in_flight.add(pending, lambda reduced, b=bucket, g=grads: self._store(b, g, reduced), held)
 
     def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor]) -> None:
         for shard, grad, rows in zip(bucket.shards, grads, reduced):

@@ -52,6 +52,8 @@ def test_ring_volume_convention() -> None:
     assert ring_bytes({"all_reduce": (1, n)}, 4) == pytest.approx(2 * n * 3 / 4)
     assert ring_bytes({"reduce_scatter": (1, n), "all_gather": (2, n)}, 2) == pytest.approx(n)
     assert ring_bytes({"all_reduce": (1, n)}, 1) == 0.0
+    # A reduce-scatter sent point to point at 4 ranks: 3 sends of n/4 each, counted as sent.
+    assert ring_bytes({"p2p": (3, 3 * n // 4)}, 4) == pytest.approx(3 * n / 4)
     assert CollectiveCounter.delta({"a": (3, 30), "b": (1, 5)}, {"a": (1, 10), "b": (1, 5)}) == {"a": (2, 20)}
 
 

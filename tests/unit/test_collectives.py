@@ -44,3 +44,25 @@ def test_tensors_on_the_group_device_pass() -> None:
     bucket = Bucket(shard_parameters([("w", torch.nn.Parameter(torch.arange(6.0).view(3, 2)))], 0, 1))
     (reduced,) = comms.reduce_scatter(bucket, [torch.full((3, 2), 2.0)]).wait()
     assert reduced.tolist() == [[2.0, 2.0]] * 3
+
+
+def test_in_flight_bounds_the_memory_pending_collectives_hold() -> None:
+    from lightning_zero.sharding.collectives import InFlight, Pending
+
+    done: list[str] = []
+    in_flight = InFlight(limit=2, limit_bytes=100)
+
+    def add(name: str, held: int) -> None:
+        in_flight.add(Pending([], lambda: name), done.append, held)
+
+    for name in ("a", "b", "c"):  # 90 bytes: within limit_bytes, so more than `limit` may be pending
+        add(name, 30)
+    add("in-place", 0)  # holds nothing: never counts
+    assert done == [] and len(in_flight) == 4
+    add("d", 30)  # 120 bytes: the oldest completes first
+    assert done == ["a"]
+    add("large", 500)  # over limit_bytes alone: completed down to `limit` holders, never below
+    assert done == ["a", "b", "c"]
+    assert len(in_flight) == 3  # "in-place", "d", "large": two holders
+    in_flight.drain()
+    assert done == ["a", "b", "c", "in-place", "d", "large"]
