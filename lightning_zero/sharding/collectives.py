@@ -17,14 +17,16 @@ as a ring reduce-scatter does and half of what an all-reduce moves; measured wit
 buffer (one thread per rank), 17-23 ms against 28-35 ms for the all-reduce at 2 ranks, 30-37 ms against 50-72 ms at
 4. At 2 ranks the sum is bitwise an all-reduce's (one addition); at more, the order of additions differs from gloo's
 ring by the last bits. The received segments, ``(N-1)/N`` of the buffer, are held until the reduction completes
-(``Pending.held_bytes``, bounded by ``InFlight``).
+(``Pending.held_bytes``, bounded by ``InFlight``). gloo sends and receives host tensors only, so with CUDA tensors on
+gloo (``process_group_backend="gloo"`` on GPUs) the reduce-scatter stays an all-reduce of the whole buffer, of which
+the rank keeps its segment.
 
 [Note: what the byte accounting counts]
 Every call records the *logical* volume per rank of the operation the algorithm needs, as a ring implementation
 moves it: ``(N-1)/N`` of the full buffer for a reduce-scatter or an all-gather, ``2(N-1)/N`` for an all-reduce and
 the tensor's size for a broadcast. That is the hardware-independent figure the ZeRO paper's 2Ψ and 3Ψ refer to. The
-bytes the chosen algorithm actually puts on the wire are kept beside it as ``wire_bytes`` (the same figures now that
-no collective is emulated by a larger one).
+bytes the chosen algorithm actually puts on the wire are kept beside it as ``wire_bytes`` (twice the logical figure
+for the all-reduce that reduces CUDA tensors on gloo, the same figure otherwise).
 """
 
 from __future__ import annotations
@@ -236,6 +238,10 @@ class Collectives:
             work = _native("reduce_scatter_single", "reduce_scatter_tensor")(out, buffer, group=self.group, async_op=True)
             self.stats.record("reduce_scatter", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
             return Pending([work], lambda: bucket.local_views(out), out.numel() * out.element_size())
+        if self.device.type != "cpu":  # gloo sends and receives host tensors only: reduce a device buffer whole
+            work = dist.all_reduce(buffer, group=self.group, async_op=True)
+            self.stats.record("reduce_scatter", nbytes * (n - 1) / n, 2 * nbytes * (n - 1) / n)
+            return Pending([work], lambda: bucket.local_views(bucket.segment(buffer)))
         received = torch.empty(n - 1, bucket.segment_numel, dtype=buffer.dtype, device=buffer.device)
         works = self._swap_segments(buffer.view(n, -1), received)
         self.stats.record("reduce_scatter", nbytes * (n - 1) / n, nbytes * (n - 1) / n)

@@ -19,9 +19,9 @@ written into the full gradient's own rows, which ``param.grad`` then shows (a vi
 lives in param.grad]). Stage 2 reduces on every backward, adds the averaged rows into a persistent shard-sized buffer
 per parameter, and frees each full gradient as soon as its bucket is packed. A large gradient is not packed: it is
 its own bucket and is reduced in place (see [Note: a large parameter is its own buffer]). At most ``MAX_IN_FLIGHT``
-reductions that hold memory until they complete (a pool buffer, under stage 2 a full gradient, off NCCL the segments
-they receive) are pending at once, or more while together they hold at most ``MAX_IN_FLIGHT`` buckets' bytes; stage
-1's in-place ones on NCCL hold nothing and are not capped (their full gradients persist anyway).
+reductions that hold memory until they complete (a pool buffer, under stage 2 a full gradient, the reduced segment
+on NCCL or the segments received on gloo) are pending at once, or more while together they hold at most
+``MAX_IN_FLIGHT`` buckets' bytes; so the transient memory of reductions is at most the larger of the two.
 """
 
 from __future__ import annotations
