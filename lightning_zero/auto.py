@@ -173,10 +173,9 @@ def run_devices(accelerator: str, devices: Any) -> list[int]:
     from lightning_zero.cli.errors import first_line
 
     on_cuda = _on_cuda(accelerator)
-    if str(devices) == "auto":
-        devices = torch.cuda.device_count() if on_cuda else 1
+    count = (torch.cuda.device_count() if on_cuda else 1) if str(devices) == "auto" else devices
     try:
-        indexes = _parse_gpu_ids(devices, include_cuda=True) if on_cuda else list(range(_parse_cpu_cores(devices)))
+        indexes = _parse_gpu_ids(count, include_cuda=True) if on_cuda else list(range(_parse_cpu_cores(count)))
     except Exception as err:  # Lightning raises TypeError, ValueError or MisconfigurationException
         raise AutoStrategyError(f"trainer.devices={devices!r} is invalid: {first_line(err)}") from None
     if not indexes:

@@ -109,11 +109,14 @@ def test_run_devices_on_cuda(two_gpus, devices, indexes):
         (False, [1, 3], "`devices` selected with `CPUAccelerator` should be an int > 0."),
         (True, [1, 3], "You requested gpu: [1, 3]"),
         (True, 0, "it selects no device"),
+        (True, "auto", "it selects no device"),  # no GPU visible: the message keeps the value given
     ],
 )
-def test_run_devices_refuses_what_the_trainer_refuses(request, on_cuda, devices, reason):
+def test_run_devices_refuses_what_the_trainer_refuses(request, monkeypatch, on_cuda, devices, reason):
     if on_cuda:
         request.getfixturevalue("two_gpus")
+        if devices == "auto":
+            monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(AutoStrategyError) as refused:
         auto.run_devices("cuda" if on_cuda else "cpu", devices)
     assert str(refused.value) == f"trainer.devices={devices!r} is invalid: {reason}"

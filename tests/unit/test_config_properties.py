@@ -311,7 +311,7 @@ def _mentions(message: str, key: str) -> bool:
 # Not shrunk: each try composes and builds a whole run (~0.3 s), and the unshrunk list of overrides reads well.
 @settings(max_examples=20, phases=[Phase.explicit, Phase.reuse, Phase.generate], **SETTINGS)
 @given(case=command_lines())
-# Found by an exploratory run: strategy=auto sized the run for trainer.devices before the Trainer parsed it.
+# Found by a random draw in CI: strategy=auto sized the run for trainer.devices before the Trainer parsed it.
 @example(case=(["strategy=auto", "trainer.devices=abc"], {"trainer.devices"}, {}))
 @example(case=(["strategy=auto", "trainer.devices=0"], {"trainer.devices"}, {}))
 def test_the_command_line_is_accepted_or_refused_with_one_line_before_any_launch(case):
