@@ -44,7 +44,8 @@ class RankDivergenceError(RuntimeError):
 class Unit:
     """The parameters of one module that are gathered, freed and reduced together.
 
-    ``announce(kind, unit)`` is called before each of the unit's collectives (see ``ShardedParams._announce``).
+    ``announce(kind, unit)`` is called before each of the unit's collectives (see ``ShardedParams._announce``); what
+    it returns, if not ``None``, is called before the collective is waited on.
     """
 
     def __init__(
@@ -54,7 +55,7 @@ class Unit:
         module: nn.Module,
         shards: Sequence[ParamShard],
         comms: Collectives,
-        announce: Callable[[str, Unit], None] = lambda kind, unit: None,
+        announce: Callable[[str, Unit], Callable[[], None] | None] = lambda kind, unit: None,
     ):
         self.index = index
         self.name = name or "<root>"
@@ -83,10 +84,11 @@ class Unit:
         """Issue the all-gather of this unit's shards, unless it is already gathered or on its way."""
         if self.state is not UnitState.SHARDED:
             return
-        if self.gather_buckets:
-            self.announce("gather", self)
+        guard = self.announce("gather", self) if self.gather_buckets else None
         with self.staged(self.shards):
             self._pending = [(bucket, self.comms.all_gather(bucket)) for bucket in self.gather_buckets]
+        for _, pending in self._pending:
+            pending.guard = guard
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
