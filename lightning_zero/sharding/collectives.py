@@ -147,9 +147,10 @@ class InFlight:
 
 class BufferPool:
     """Bucket buffers kept across steps: a collective takes one of at least the size it needs and gives it back once
-    its result is consumed, so a step allocates no bucket buffer after the first. One free buffer per dtype is kept
-    per in-flight slot (``MAX_IN_FLIGHT``), each as large as the largest bucket seen: what the pipelines already hold
-    at their peak, now held between steps too."""
+    its result is consumed, so a step allocates no bucket buffer after the first. Up to ``limit`` free buffers per
+    dtype are kept, one per collective that may hold one at once (stages 1 and 2: ``MAX_IN_FLIGHT``; stage 3 also
+    the unit gathers in flight), each sized by the buckets that used it: what the pipelines already hold at their
+    peak, now held between steps too."""
 
     def __init__(self, device: torch.device, limit: int = MAX_IN_FLIGHT) -> None:
         self.device = device
@@ -157,12 +158,15 @@ class BufferPool:
         self._free: dict[torch.dtype, list[Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """The smallest free buffer of at least ``numel`` elements (so that a large one stays for the large bucket
+        that needs it), or a new one, replacing the smallest free buffer if every one is too small."""
         free = self._free.setdefault(dtype, [])
-        for i, buffer in enumerate(free):
-            if buffer.numel() >= numel:
+        by_size = sorted(range(len(free)), key=lambda i: free[i].numel())
+        for i in by_size:
+            if free[i].numel() >= numel:
                 return free.pop(i)[:numel]
         if free:
-            free.pop(0)  # too small for this bucket: replaced by one that fits
+            free.pop(by_size[0])  # every one is too small: the smallest is replaced by one that fits
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, buffer: Tensor) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.config import CommConfig, Stage3Config
-from lightning_zero.sharding.collectives import Collectives, InFlight
+from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import GradHooks, GradShards, warn_unused
 from lightning_zero.sharding.unit_state import (
@@ -78,6 +78,12 @@ class ShardedParams:
         self.comm = comm
         self.config = config
         self.grad_shards = GradShards(comms.world_size, keep_full_grads=False)
+        # Rank-major buffers of unit gathers and reductions, kept across units and steps: on a host without a caching
+        # allocator, buffers freed and allocated again every unit cost page faults (measured in BENCHMARKS.md). Enough
+        # for the gathers (the unit running and ``prefetch`` ahead) and the reductions in flight at once.
+        self.pool = BufferPool(comms.device, limit=config.prefetch + 1 + MAX_IN_FLIGHT)
+        for unit in self.all_units:
+            unit.pool = self.pool
         self._reduce_order = self.units[::-1] + [root]
         self._reduce_buckets: dict[tuple[Unit, tuple[bool, ...]], list[Bucket]] = {}
         self._done: set[Unit] = set()
@@ -173,17 +179,19 @@ class ShardedParams:
             if used is None and not self._warned_unused and any(g is None for g in grads):
                 self._warned_unused = True
                 warn_unused([s.name for s, g in zip(bucket.shards, grads) if g is None])
-            pending = self.comms.reduce_scatter(bucket, grads)
+            buffer = self.pool.take(bucket.full_numel, bucket.dtype)
+            pending = self.comms.reduce_scatter(bucket, grads, buffer=buffer)
             pending.guard = guard
             for shard in bucket.shards:
                 shard.param.grad = None
             held = pending.held_bytes + bucket.full_numel * bucket.dtype.itemsize  # the packed buffer
-            self._in_flight.add(pending, lambda reduced, b=bucket, g=grads: self._store(b, g, reduced), held)
+            self._in_flight.add(pending, lambda reduced, b=bucket, g=grads, f=buffer: self._store(b, g, reduced, f), held)
 
-    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor]) -> None:
+    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], buffer: Tensor) -> None:
         for shard, grad, rows in zip(bucket.shards, grads, reduced):
             if grad is not None or not self.comm.find_unused_parameters:
                 self.grad_shards.store(shard, rows)
+        self.pool.give(buffer)  # the rows were copied out
 
     def _buckets_to_reduce(self, unit: Unit) -> list[Bucket]:
         key = (unit, tuple(s.trainable for s in unit.shards))
