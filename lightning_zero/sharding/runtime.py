@@ -97,7 +97,7 @@ class ZeroRuntime:
                                              self.single_rank)
         self.shard_of = {s.param: s for s in self.shards}
         self.offload = _make_offload(self.shards, config, comms, host_ranks) if config.offload.offload_optimizer else None
-        self._module_hooks = load_state_dict_hooks(module, self.shards)
+        self._module_hooks = load_state_dict_hooks(module, self.shards, before_load=self.wait)
         self._evaluation_hold = ExitStack()
         if self.single_rank:
             if config.stage == 3:  # nothing is gathered by unit, but a units= entry that names no module is an error

@@ -15,6 +15,8 @@ checkpoint format is the same (every name, every row, the same metadata); only w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -125,12 +127,15 @@ def floating_buffers(module: nn.Module) -> list[Tensor]:
     return [b for b in module.buffers() if b.is_floating_point() and b.numel() > 0]
 
 
-def load_state_dict_hooks(module: nn.Module, shards: list[ParamShard]) -> list:
+def load_state_dict_hooks(module: nn.Module, shards: list[ParamShard], before_load: Callable[[], None]) -> list:
     """``module.load_state_dict`` after setup writes each rank's rows, at full precision, into its shards (the fp32
-    masters under mixed precision); parameters stage 3 keeps empty are skipped by torch's own copy."""
+    masters under mixed precision); parameters stage 3 keeps empty are skipped by torch's own copy. ``before_load``
+    runs first: it completes the parameter all-gathers still in flight, which read the shards (a parameter gathered
+    in place sends its own rows) and would otherwise write stale rows after the load."""
 
     @torch.no_grad()
     def before(_module, state_dict, prefix, *_args) -> None:
+        before_load()
         for shard in shards:
             key = prefix + shard.name
             value = state_dict.get(key)
