@@ -60,6 +60,17 @@ class Layout:
         return options
 
 
+def how_to_select(option: str, registered: frozenset[str]) -> str:
+    """How a user picks ``option``: by its name where a strategy of that name is registered (``registered``),
+    otherwise by the stage and offload settings it stands for, on the command line and in Python."""
+    if option in registered:
+        return f'strategy={option} on the command line, Trainer(strategy="{option}") in Python'
+    options = LAYOUTS[option].strategy_options()
+    cli = " ".join([f"strategy=zero{options['stage']}"] + [f"strategy.{k}={v}" for k, v in options.items() if k != "stage"])
+    python = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    return f"{cli} on the command line, Trainer(strategy=ZeroStrategy({python})) in Python"
+
+
 #: Every option, least complex first within each tier: in-device, then host offload, then disk offload.
 LAYOUTS: dict[str, Layout] = {
     "ddp": Layout(0),

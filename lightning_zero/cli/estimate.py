@@ -8,6 +8,8 @@ import math
 import shutil
 import tempfile
 
+from lightning.pytorch.strategies import StrategyRegistry
+
 from lightning_zero import estimate
 from lightning_zero.auto import available_host_bytes
 from lightning_zero.cli.compose import compose, instantiate
@@ -78,6 +80,9 @@ def estimate_command(args: argparse.Namespace) -> int:
         print("\nno budget given (--budget-gb) and no GPU: no recommendation")
     else:
         print(f"\nrecommendation: {recommendation.explain()}")
+        if recommendation.choice is not None:
+            registered = frozenset(StrategyRegistry.available_strategies())
+            print(f"select it with: {estimate.how_to_select(recommendation.choice, registered)}")
     return 0
 
 

@@ -299,7 +299,8 @@ def test_estimate_table_and_recommendation(capfd):
     assert rows["zero1"][9:11] + rows["zero1"][-1:] == ["9.77", "KiB", "yes"]
     assert rows["zero3"][9:11] + rows["zero3"][-1:] == ["3.91", "KiB", "yes"]
     assert len(rows) == 11  # ddp, zero1-3, and their offload options
-    assert out[-1] == "recommendation: zero1: the least complex option that fits (9.77 KiB of 11.72 KiB per rank)"
+    assert out[-2] == "recommendation: zero1: the least complex option that fits (9.77 KiB of 11.72 KiB per rank)"
+    assert out[-1] == 'select it with: strategy=zero1 on the command line, Trainer(strategy="zero1") in Python'
 
 
 def test_estimate_knows_the_offload_options(capfd):
@@ -316,7 +317,12 @@ def test_estimate_knows_the_offload_options(capfd):
     # Stage 3 with the parameter shards on the host too: only the gradient shards (2Ψ/N = 500 bytes) stay.
     assert rows["zero3_offload_params"][8:] == ["500", "B", "3.91", "KiB", "0", "B", "yes"]
     assert rows["zero3_offload_disk"][8:] == ["500", "B", "3.91", "KiB", "3.42", "KiB", "yes"]
+    # No strategy is registered under that name: the recommendation says which settings it stands for.
     assert out[-1] == (
+        "select it with: strategy=zero3 strategy.offload_optimizer=cpu strategy.offload_params=cpu on the command line, "
+        "Trainer(strategy=ZeroStrategy(stage=3, offload_optimizer='cpu', offload_params='cpu')) in Python"
+    )
+    assert out[-2] == (
         "recommendation: zero3_offload_params: the least complex option that fits (500 B of 999 B on the device, "
         "3.91 KiB of 3.91 KiB of host memory per rank); nothing without offload fits (zero3 needs 3.91 KiB of 999 B on "
         "the device per rank)"

@@ -45,3 +45,16 @@ def test_a_new_option_appears_in_every_stage_and_on_the_command_line(monkeypatch
         monkeypatch.undo()
         register_configs()  # the ConfigStore is global: give the next test the real schema
     assert "option_added_later" not in _strategy_node("strategy=zero3")
+
+
+@pytest.mark.parametrize("option", ["zero1_offload", "zero3_offload_params", "zero1_offload_disk", "zero3_offload_disk"])
+def test_what_estimate_tells_users_to_type_builds_the_option_it_recommends(option):
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_zero import estimate
+
+    said = estimate.how_to_select(option, frozenset(StrategyRegistry.available_strategies()))
+    overrides = said.split(" on the command line")[0].split()
+    strategy = instantiate("strategy", OmegaConf.create(_strategy_node(*overrides)))
+    expected = config.ZeroConfig.from_options(**estimate.LAYOUTS[option].strategy_options())
+    assert strategy.config.offload == expected.offload and strategy.config.stage == expected.stage
