@@ -37,14 +37,10 @@ DISTURBED = 1.25
 LOSS_RTOL = 1e-4
 
 
-def _ring(comm: dict, world: int) -> float:
-    from zbench.measure import ring_bytes
-
-    return ring_bytes(comm, world)
-
-
 def summarize(results: dict) -> dict[str, dict[str, dict]]:
     """config name -> approach -> figures (see [Note: how a figure is made from the runs])."""
+    from zbench.measure import ring_bytes  # imports torch: only when figures are made
+
     configs = {c["name"]: c for c in results["configs"]}
     out: dict[str, dict[str, dict]] = {name: {} for name in configs}
     runs_by: dict[tuple[str, str], list[dict]] = {}
@@ -77,7 +73,7 @@ def summarize(results: dict) -> dict[str, dict[str, dict]]:
                     phase_peaks.setdefault(k, []).append(v)
             for d in ranks:
                 for s in range(warm, len(d["comm"])):
-                    comm.append(_ring(d["comm"][s], world))
+                    comm.append(ring_bytes(d["comm"][s], world))
                     wire.append(d["wire"][s])
             peaks.append(max(d["peak_rss"] for d in ranks))
             bases.append(max(d["rss_base"] for d in ranks))
