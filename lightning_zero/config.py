@@ -99,7 +99,7 @@ class Stage3Config:
         verify_unit_order: before each unit's collective, ranks check on a CPU control channel that they move the
             same unit, so control flow that differs between ranks fails at once naming both units, instead of
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per
-            unit collective.
+            unit collective, waited for before issuing only where a rank leaves the sequence of the steps before.
     """
 
     units: tuple[str, ...] = ()

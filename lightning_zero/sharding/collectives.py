@@ -92,10 +92,15 @@ class Pending:
         self._result = result
         #: Memory the collective itself holds until it completes, besides the caller's tensors.
         self.held_bytes = held_bytes
+        #: Called once before the first wait (a check that may raise instead of waiting on a mismatched collective).
+        self.guard: Callable[[], None] | None = None
         self._value: Any = None
         self._done = False
 
     def wait(self) -> Any:
+        if self.guard is not None:
+            guard, self.guard = self.guard, None
+            guard()
         if not self._done:
             for work in self._works:
                 work.wait()
@@ -142,9 +147,10 @@ class InFlight:
 
 class BufferPool:
     """Bucket buffers kept across steps: a collective takes one of at least the size it needs and gives it back once
-    its result is consumed, so a step allocates no bucket buffer after the first. One free buffer per dtype is kept
-    per in-flight slot (``MAX_IN_FLIGHT``), each as large as the largest bucket seen: what the pipelines already hold
-    at their peak, now held between steps too."""
+    its result is consumed, so a step allocates no bucket buffer after the first. Up to ``limit`` free buffers per
+    dtype are kept, one per collective that may hold one at once (stages 1 and 2: ``MAX_IN_FLIGHT``; stage 3 also
+    the unit gathers in flight), each sized by the buckets that used it: what the pipelines already hold at their
+    peak, now held between steps too."""
 
     def __init__(self, device: torch.device, limit: int = MAX_IN_FLIGHT) -> None:
         self.device = device
@@ -152,12 +158,15 @@ class BufferPool:
         self._free: dict[torch.dtype, list[Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """The smallest free buffer of at least ``numel`` elements (so that a large one stays for the large bucket
+        that needs it), or a new one, replacing the smallest free buffer if every one is too small."""
         free = self._free.setdefault(dtype, [])
-        for i, buffer in enumerate(free):
-            if buffer.numel() >= numel:
+        by_size = sorted(range(len(free)), key=lambda i: free[i].numel())
+        for i in by_size:
+            if free[i].numel() >= numel:
                 return free.pop(i)[:numel]
         if free:
-            free.pop(0)  # too small for this bucket: replaced by one that fits
+            free.pop(by_size[0])  # every one is too small: the smallest is replaced by one that fits
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, buffer: Tensor) -> None:
@@ -311,12 +320,10 @@ class Collectives:
             work.wait()
 
     def open_control_channel(self) -> None:
-        """Make the group ``exchange`` uses: this one on gloo, a gloo group over the same ranks beside NCCL (host
-        tensors, so checking costs the device nothing). Every rank must call it, at the same point."""
+        """Make the group ``exchange`` uses: a gloo group over the same ranks, beside this one (host tensors, so
+        checking costs the device nothing) and apart from it even on gloo, so that a control message is not queued
+        behind the bucket collectives in flight on this group's workers. Every rank must call it, at the same point."""
         if self.local or self._control is not None:
-            return
-        if self.backend == "gloo":
-            self._control = self.group or dist.group.WORLD
             return
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
         self._control = dist.new_group(ranks, backend="gloo")
@@ -324,13 +331,17 @@ class Collectives:
     def exchange(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (a few host-side integers: which collective a rank is about to issue). Control
         messages, not model state: not counted in ``stats``."""
+        return self.exchange_async(values).wait()
+
+    def exchange_async(self, values: Sequence[int]) -> Pending:
+        """``exchange`` without waiting: the pending result is every rank's ``values``."""
         if self.local:
-            return [list(values)]
+            return Pending([], lambda: [list(values)])
         self.open_control_channel()
         tensor = torch.tensor(list(values), dtype=torch.int64)
         everyone = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(everyone, tensor, group=self._control)
-        return [t.tolist() for t in everyone]
+        work = dist.all_gather(everyone, tensor, group=self._control, async_op=True)
+        return Pending([work], lambda: [t.tolist() for t in everyone])
 
     def barrier(self) -> None:
         if self.distributed:

@@ -18,7 +18,7 @@ make sure the unit is gathered, in state ``BACKWARD``, so recomputation costs no
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.config import CommConfig, Stage3Config
-from lightning_zero.sharding.collectives import Collectives, InFlight
+from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import GradHooks, GradShards, warn_unused
 from lightning_zero.sharding.unit_state import (
@@ -65,6 +65,11 @@ class ShardedParams:
         self.root = root
         self.units = list(units)
         self._announced = 0
+        #: The unit collectives (kind, unit) of this step, of the previous one, and those this step may issue before
+        #: the ranks' check completes (see [Note: ranks that run different units]).
+        self._sequence: list[tuple[int, int]] = []
+        self._previous: list[tuple[int, int]] = []
+        self._expected: list[tuple[int, int]] = []
         if config.verify_unit_order:
             comms.open_control_channel()
             for unit in self.all_units:
@@ -73,6 +78,12 @@ class ShardedParams:
         self.comm = comm
         self.config = config
         self.grad_shards = GradShards(comms.world_size, keep_full_grads=False)
+        # Rank-major buffers of unit gathers and reductions, kept across units and steps: on a host without a caching
+        # allocator, buffers freed and allocated again every unit cost page faults (measured in BENCHMARKS.md). Enough
+        # for the gathers (the unit running and ``prefetch`` ahead) and the reductions in flight at once.
+        self.pool = BufferPool(comms.device, limit=config.prefetch + 1 + MAX_IN_FLIGHT)
+        for unit in self.all_units:
+            unit.pool = self.pool
         self._reduce_order = self.units[::-1] + [root]
         self._reduce_buckets: dict[tuple[Unit, tuple[bool, ...]], list[Bucket]] = {}
         self._done: set[Unit] = set()
@@ -162,23 +173,25 @@ class ShardedParams:
     def _launch_reduce(self, unit: Unit, used: dict[ParamShard, bool] | None = None) -> None:
         self._next_reduce += 1
         buckets = self._buckets_to_reduce(unit)
-        if buckets:
-            unit.announce("reduce", unit)
+        guard = unit.announce("reduce", unit) if buckets else None
         for bucket in buckets:
             grads = [s.param.grad if used is None or used[s] else None for s in bucket.shards]
             if used is None and not self._warned_unused and any(g is None for g in grads):
                 self._warned_unused = True
                 warn_unused([s.name for s, g in zip(bucket.shards, grads) if g is None])
-            pending = self.comms.reduce_scatter(bucket, grads)
+            buffer = self.pool.take(bucket.full_numel, bucket.dtype)
+            pending = self.comms.reduce_scatter(bucket, grads, buffer=buffer)
+            pending.guard = guard
             for shard in bucket.shards:
                 shard.param.grad = None
             held = pending.held_bytes + bucket.full_numel * bucket.dtype.itemsize  # the packed buffer
-            self._in_flight.add(pending, lambda reduced, b=bucket, g=grads: self._store(b, g, reduced), held)
+            self._in_flight.add(pending, lambda reduced, b=bucket, g=grads, f=buffer: self._store(b, g, reduced, f), held)
 
-    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor]) -> None:
+    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], buffer: Tensor) -> None:
         for shard, grad, rows in zip(bucket.shards, grads, reduced):
             if grad is not None or not self.comm.find_unused_parameters:
                 self.grad_shards.store(shard, rows)
+        self.pool.give(buffer)  # the rows were copied out
 
     def _buckets_to_reduce(self, unit: Unit) -> list[Bucket]:
         key = (unit, tuple(s.trainable for s in unit.shards))
@@ -220,15 +233,34 @@ class ShardedParams:
 
     _KINDS = ("gather", "reduce")
 
-    def _announce(self, kind: str, unit: Unit) -> None:
+    def _announce(self, kind: str, unit: Unit) -> Callable[[], None] | None:
         """[Note: ranks that run different units] Every unit collective is a collective: if one rank gathers a unit
         that another skipped (a branch taken on some ranks only), their collectives no longer pair up; gloo aborts the
-        process on the size mismatch, NCCL hangs until the process-group timeout. So before each one, the ranks swap
-        which unit they are about to move (three integers over a CPU control group, no device synchronisation), and
-        a disagreement raises at once on every rank, naming both units."""
+        process on the size mismatch, NCCL hangs until the process-group timeout. So for each one, the ranks swap
+        which unit they are about to move (three integers over a CPU control group of its own, no device
+        synchronisation), and a disagreement raises on every rank, naming both units, before any of them waits on a
+        mismatched collective.
+
+        Waiting for that swap before every collective holds the ranks in lockstep some 25 times a step (measured on 2
+        CPU ranks: 507-536 ms a step against 438-482 ms without the check). So a rank waits for it only when it is about to issue something other than
+        ``_expected``, the sequence of unit collectives of the last two steps where they were the same (the first
+        steps, a branch taken, the first evaluation steps); otherwise it issues the collective at once and checks the
+        swap before waiting on it (``Pending.guard``). The steps before were checked, so every rank starts a step
+        expecting the same sequence: where two ranks are about to issue different collectives, at least one of them
+        leaves the expected sequence, checks before issuing and raises, and the mismatched pair is never issued. A
+        rank that issued only part of the expected sequence (it ended its step early) expects nothing in the next
+        step, so its next collective is checked first too."""
         self._announced += 1
         mine = [self._KINDS.index(kind), unit.index, self._announced]
-        everyone = self.comms.exchange(mine)
+        position = len(self._sequence)
+        self._sequence.append((mine[0], mine[1]))
+        if position < len(self._expected) and self._expected[position] == self._sequence[-1]:
+            pending = self.comms.exchange_async(mine)
+            return lambda: self._check_same_unit(kind, unit, mine, pending.wait())
+        self._check_same_unit(kind, unit, mine, self.comms.exchange(mine))
+        return None
+
+    def _check_same_unit(self, kind: str, unit: Unit, mine: list[int], everyone: list[list[int]]) -> None:
         for rank, theirs in enumerate(everyone):
             if theirs != mine:
                 units = {u.index: u for u in self.all_units}
@@ -245,6 +277,10 @@ class ShardedParams:
     def begin_step(self) -> None:
         """Before a training or evaluation step: the root unit's parameters are needed throughout."""
         self._announced = 0
+        if self._sequence:
+            finished, self._sequence = self._sequence, []
+            self._expected = finished if finished == self._previous else []
+            self._previous = finished
         self.root.wait_unshard()
 
     def after_update(self, stepped: Sequence[ParamShard], defer: bool = False) -> None:

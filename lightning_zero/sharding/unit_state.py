@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum, auto
 
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_zero.sharding.collectives import Collectives, Pending
+from lightning_zero.sharding.collectives import BufferPool, Collectives, Pending
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
 #: A bucket size with no cap: a unit moves its parameters of one dtype in one collective.
@@ -44,7 +44,8 @@ class RankDivergenceError(RuntimeError):
 class Unit:
     """The parameters of one module that are gathered, freed and reduced together.
 
-    ``announce(kind, unit)`` is called before each of the unit's collectives (see ``ShardedParams._announce``).
+    ``announce(kind, unit)`` is called before each of the unit's collectives (see ``ShardedParams._announce``); what
+    it returns, if not ``None``, is called before the collective is waited on.
     """
 
     def __init__(
@@ -54,7 +55,7 @@ class Unit:
         module: nn.Module,
         shards: Sequence[ParamShard],
         comms: Collectives,
-        announce: Callable[[str, Unit], None] = lambda kind, unit: None,
+        announce: Callable[[str, Unit], Callable[[], None] | None] = lambda kind, unit: None,
     ):
         self.index = index
         self.name = name or "<root>"
@@ -64,12 +65,14 @@ class Unit:
         self.announce = announce
         #: Context around packing the shards for a gather (disk offload pages parameter shards in and out).
         self.staged = _nothing
+        #: Where the rank-major gather buffers come from and go back to once unpacked (``None``: allocated afresh).
+        self.pool: BufferPool | None = None
         self.gather_buckets = make_buckets(self.shards, UNBOUNDED)
         self.state = UnitState.SHARDED
         #: In state BACKWARD: the shards whose gradient has not been accumulated yet, and "inputs" once per forward
         #: call whose inputs' gradients do not exist yet.
         self.outstanding: Counter = Counter()
-        self._pending: list[tuple[Bucket, Pending]] = []
+        self._pending: list[tuple[Bucket, Pending, Tensor | None]] = []
 
     def __repr__(self) -> str:
         return f"unit {self.name!r}"
@@ -83,10 +86,14 @@ class Unit:
         """Issue the all-gather of this unit's shards, unless it is already gathered or on its way."""
         if self.state is not UnitState.SHARDED:
             return
-        if self.gather_buckets:
-            self.announce("gather", self)
+        guard = self.announce("gather", self) if self.gather_buckets else None
+        self._pending = []
         with self.staged(self.shards):
-            self._pending = [(bucket, self.comms.all_gather(bucket)) for bucket in self.gather_buckets]
+            for bucket in self.gather_buckets:
+                buffer = self.pool.take(bucket.full_numel, bucket.dtype) if self.pool is not None else None
+                pending = self.comms.all_gather(bucket, buffer=buffer)
+                pending.guard = guard
+                self._pending.append((bucket, pending, buffer))
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -94,10 +101,12 @@ class Unit:
         self.start_unshard()
         if self.state is not UnitState.GATHERING:
             return
-        for bucket, pending in self._pending:
+        for bucket, pending, buffer in self._pending:
             for shard, storage in zip(bucket.shards, bucket.unpack_to_storage(pending.wait())):
                 shard.to_unsharded(storage)
                 shard.mark_written()
+            if buffer is not None:
+                self.pool.give(buffer)  # unpacked: nothing refers to it any more
         self._pending = []
         self.state = UnitState.UNSHARDED
 

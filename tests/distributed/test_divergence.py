@@ -1,6 +1,10 @@
 """zero3 with control flow that differs between ranks: every unit gather is a collective, so a rank that skips a unit
 would leave the others waiting (NCCL hangs for the process-group timeout, gloo aborts the process). The ranks check
-which unit they move before each unit collective and fail at once, on every rank, naming both units."""
+which unit they move for each unit collective and fail, on every rank, naming both units, before waiting on it.
+
+A rank waits for that check before issuing only where it leaves the sequence of the steps before; otherwise the check
+runs beside the collective (param_hooks.py, [Note: ranks that run different units]). Both paths are tested: a branch
+taken from the first step, and one taken after the ranks have settled into checking beside the collectives."""
 
 from __future__ import annotations
 
@@ -8,31 +12,64 @@ import time
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.sharding.collectives import Collectives
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, make_trainer
 
 
 class SkipsABlockOnRank1(TinyLM):
+    def __init__(self, from_step: int | None) -> None:
+        super().__init__()
+        self.from_step = from_step
+
     def forward(self, tokens):
-        x = self.lm["wte"](tokens) + self.lm["wpe"](__import__("torch").arange(tokens.shape[1]))
-        blocks = self.lm["blocks"] if self.global_rank == 0 else self.lm["blocks"][:1]
-        for block in blocks:
+        x = self.lm["wte"](tokens) + self.lm["wpe"](torch.arange(tokens.shape[1]))
+        skip = self.from_step is not None and self.global_rank == 1 and self.global_step >= self.from_step
+        for block in self.lm["blocks"][:1] if skip else self.lm["blocks"]:
             x = block(x)
         return self.lm["head"](self.lm["ln_f"](x))
 
 
-def _fit(rank: int, world_size: int) -> None:
+def _count_exchanges(monkeypatch_target: type) -> dict[str, int]:
+    """Count control exchanges waited for before issuing ("first") and checked beside the collective ("beside")."""
+    counts = {"first": 0, "beside": 0}
+    exchange, exchange_async = monkeypatch_target.exchange, monkeypatch_target.exchange_async
+
+    def counted_exchange(self, values):
+        counts["first"] += 1
+        return exchange(self, values)
+
+    def counted_async(self, values):
+        counts["beside"] += 1
+        return exchange_async(self, values)
+
+    monkeypatch_target.exchange, monkeypatch_target.exchange_async = counted_exchange, counted_async
+    return counts
+
+
+def _fit(from_step: int | None, world_size: int, steps: int) -> None:
     pl.seed_everything(1, verbose=False)
-    trainer = make_trainer(ZeroStrategy(stage=3, units=("Block",)), world_size, max_steps=2, limit_val_batches=0)
-    trainer.fit(SkipsABlockOnRank1())
+    trainer = make_trainer(ZeroStrategy(stage=3, units=("Block",)), world_size, max_steps=steps, limit_val_batches=0)
+    trainer.fit(SkipsABlockOnRank1(from_step))
 
 
-def test_ranks_running_different_units_fail_fast_naming_both() -> None:
+def _cases(rank: int, world_size: int, from_step: int) -> None:
+    counts = _count_exchanges(Collectives)
+    _fit(None, world_size, steps=5)  # no branch: the first two steps check first, the next three beside
+    per_step = counts["beside"] // 5  # every exchange goes through exchange_async, a waited one too
+    expected = {"first": 2 * per_step, "beside": 5 * per_step}
+    assert counts == expected and per_step > 0, f"control exchanges {counts}, expected {expected}"
+    _fit(from_step, world_size, steps=4)
+
+
+@pytest.mark.parametrize("from_step", [0, 2], ids=["first-step", "after-settling"])
+def test_ranks_running_different_units_fail_fast_naming_both(from_step: int) -> None:
     started = time.perf_counter()
     with pytest.raises(AssertionError) as err:
-        run_on_ranks(_fit, 2, timeout_s=60)
+        run_on_ranks(lambda rank, world_size: _cases(rank, world_size, from_step), 2, timeout_s=60)
     message = str(err.value)
     assert "RankDivergenceError: ranks diverged under zero3" in message
     assert "unit 'lm.blocks.1'" in message and "unit 'lm.blocks.0'" in message

@@ -66,3 +66,23 @@ def test_in_flight_bounds_the_memory_pending_collectives_hold() -> None:
     assert len(in_flight) == 3  # "in-place", "d", "large": two holders
     in_flight.drain()
     assert done == ["a", "b", "c", "in-place", "d", "large"]
+
+
+def test_buffer_pool_hands_out_the_smallest_buffer_that_fits() -> None:
+    from lightning_zero.sharding.collectives import BufferPool
+
+    pool = BufferPool(torch.device("cpu"), limit=2)
+    large, small = pool.take(100, torch.float32), pool.take(10, torch.float32)
+    pool.give(large)
+    pool.give(small[:5])  # a view: its whole storage goes back
+    again = pool.take(8, torch.float32)  # both fit: the 10-element one, leaving the large one for a large bucket
+    assert again.numel() == 8 and again.data_ptr() == small.data_ptr()
+    assert pool.take(60, torch.float32).data_ptr() == large.data_ptr()
+    pool.give(again)
+    grown = pool.take(30, torch.float32)  # none fits: the smallest free one is replaced
+    assert grown.numel() == 30 and pool.buffers() == []
+    pool.give(grown)
+    pool.give(torch.empty(7))
+    pool.give(torch.empty(9))  # beyond `limit` free buffers: dropped
+    assert sorted(b.numel() for b in pool.buffers()) == [7, 30]
+    assert pool.take(4, torch.float64).dtype == torch.float64  # one set of buffers per dtype
