@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -185,7 +186,7 @@ class ShardedParams:
             for shard in bucket.shards:
                 shard.param.grad = None
             held = pending.held_bytes + bucket.full_numel * bucket.dtype.itemsize  # the packed buffer
-            self._in_flight.add(pending, lambda reduced, b=bucket, g=grads, f=buffer: self._store(b, g, reduced, f), held)
+            self._in_flight.add(pending, partial(self._store, bucket, grads, buffer=buffer), held)
 
     def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], buffer: Tensor) -> None:
         for shard, grad, rows in zip(bucket.shards, grads, reduced):
@@ -242,14 +243,14 @@ class ShardedParams:
         mismatched collective.
 
         Waiting for that swap before every collective holds the ranks in lockstep some 25 times a step (measured on 2
-        CPU ranks: 507-536 ms a step against 438-482 ms without the check). So a rank waits for it only when it is about to issue something other than
-        ``_expected``, the sequence of unit collectives of the last two steps where they were the same (the first
-        steps, a branch taken, the first evaluation steps); otherwise it issues the collective at once and checks the
-        swap before waiting on it (``Pending.guard``). The steps before were checked, so every rank starts a step
-        expecting the same sequence: where two ranks are about to issue different collectives, at least one of them
-        leaves the expected sequence, checks before issuing and raises, and the mismatched pair is never issued. A
-        rank that issued only part of the expected sequence (it ended its step early) expects nothing in the next
-        step, so its next collective is checked first too."""
+        CPU ranks: 507-536 ms a step against 438-482 ms without the check). So a rank waits for it only when it is
+        about to issue something other than ``_expected``, the sequence of unit collectives of the last two steps where
+        they were the same (the first steps, a branch taken, the first evaluation steps); otherwise it issues the
+        collective at once and checks the swap before waiting on it (``Pending.guard``). The steps before were
+        checked, so every rank starts a step expecting the same sequence: where two ranks are about to issue different
+        collectives, at least one of them leaves the expected sequence, checks before issuing and raises, and the
+        mismatched pair is never issued. A rank that issued only part of the expected sequence (it ended its step
+        early) expects nothing in the next step, so its next collective is checked first too."""
         self._announced += 1
         mine = [self._KINDS.index(kind), unit.index, self._announced]
         position = len(self._sequence)

@@ -65,14 +65,15 @@ class Unit:
         self.announce = announce
         #: Context around packing the shards for a gather (disk offload pages parameter shards in and out).
         self.staged = _nothing
-        #: Where the rank-major gather buffers come from and go back to once unpacked (``None``: allocated afresh).
-        self.pool: BufferPool | None = None
+        #: Where the rank-major gather buffers come from and go back to once unpacked (``ShardedParams`` shares one
+        #: across its units; this one keeps none, so each gather allocates afresh).
+        self.pool = BufferPool(comms.device, limit=0)
         self.gather_buckets = make_buckets(self.shards, UNBOUNDED)
         self.state = UnitState.SHARDED
         #: In state BACKWARD: the shards whose gradient has not been accumulated yet, and "inputs" once per forward
         #: call whose inputs' gradients do not exist yet.
         self.outstanding: Counter = Counter()
-        self._pending: list[tuple[Bucket, Pending, Tensor | None]] = []
+        self._pending: list[tuple[Bucket, Pending, Tensor]] = []
 
     def __repr__(self) -> str:
         return f"unit {self.name!r}"
@@ -90,7 +91,7 @@ class Unit:
         self._pending = []
         with self.staged(self.shards):
             for bucket in self.gather_buckets:
-                buffer = self.pool.take(bucket.full_numel, bucket.dtype) if self.pool is not None else None
+                buffer = self.pool.take(bucket.full_numel, bucket.dtype)
                 pending = self.comms.all_gather(bucket, buffer=buffer)
                 pending.guard = guard
                 self._pending.append((bucket, pending, buffer))
@@ -105,8 +106,7 @@ class Unit:
             for shard, storage in zip(bucket.shards, bucket.unpack_to_storage(pending.wait())):
                 shard.to_unsharded(storage)
                 shard.mark_written()
-            if buffer is not None:
-                self.pool.give(buffer)  # unpacked: nothing refers to it any more
+            self.pool.give(buffer)  # unpacked: nothing refers to it any more
         self._pending = []
         self.state = UnitState.UNSHARDED
 
