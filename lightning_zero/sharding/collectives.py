@@ -146,11 +146,13 @@ class InFlight:
 
 
 class BufferPool:
-    """Bucket buffers kept across steps: a collective takes one of at least the size it needs and gives it back once
-    its result is consumed, so a step allocates no bucket buffer after the first. Up to ``limit`` free buffers per
-    dtype are kept, one per collective that may hold one at once (stages 1 and 2: ``MAX_IN_FLIGHT``; stage 3 also
-    the unit gathers in flight), each sized by the buckets that used it: what the pipelines already hold at their
-    peak, now held between steps too."""
+    """Bucket buffers kept between collectives: a collective takes one of at least the size it needs and gives it
+    back once its result is consumed, so the next one allocates nothing. Up to ``limit`` free buffers per dtype are
+    kept, one per collective that may hold one at once (stages 1 and 2: ``MAX_IN_FLIGHT``; stage 3 also the unit
+    gathers in flight), each sized by the buckets that used it. Stage 3 keeps them across steps; stages 1 and 2 keep
+    them from the backward's reductions to the gathers after the update and ``clear`` them once those complete, so
+    that the next forward's activations can use that memory (see [Note: the parameter all-gather overlaps the next
+    forward])."""
 
     def __init__(self, device: torch.device, limit: int = MAX_IN_FLIGHT) -> None:
         self.device = device
@@ -175,6 +177,10 @@ class BufferPool:
         free = self._free.setdefault(buffer.dtype, [])
         if len(free) < self.limit:
             free.append(whole)
+
+    def clear(self) -> None:
+        """Hand the free buffers back to the allocator (the buffers taken stay with their collectives)."""
+        self._free.clear()
 
     def buffers(self) -> list[Tensor]:
         return [b for free in self._free.values() for b in free]

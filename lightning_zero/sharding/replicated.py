@@ -10,7 +10,11 @@ the step returns. Each module that owns a stepped parameter has a forward pre-ho
 every bucket up to the last one holding its own parameters: wait, unpack into the parameters (one fused copy; none
 for a parameter gathered in place), give the buffer back to the pool and launch the next buckets. So the next
 forward computes with the first layers while the last ones are still on the wire, and no more than
-``MAX_IN_FLIGHT`` bucket buffers ever exist.
+``MAX_IN_FLIGHT`` bucket buffers ever exist. Once the last bucket is complete the pool hands its buffers back to the
+allocator (and so does a step that starts with nothing in flight): the forward's activations, which peak at the
+start of the backward, reuse that memory, and the backward's last reductions, when most activations are freed,
+allocate it again. DDP's buckets are the gradients themselves, and a training peak above DDP's by one packed
+bucket is what this avoids.
 
 Correctness first: a parameter must never be read while its bucket is in flight (its rows are the previous step's).
 Reads that do not go through its module's forward are caught three ways. Inside ``training_step`` a
@@ -125,6 +129,8 @@ class ReplicatedParams:
                     self.pool.give(pooled)
                 self._done += 1
                 self._launch_more()
+            if self._done == len(self._order):
+                self.pool.clear()
         finally:
             self._completing = False
 
@@ -168,7 +174,10 @@ class ReplicatedParams:
                     self._complete_through(self._pending[id(value)])
 
     def begin_step(self) -> None:
-        """Nothing to gather: the parameters are full (or complete on use)."""
+        """Nothing to gather (the parameters are full, or complete on use); with nothing in flight (gradient
+        accumulation, an evaluation step) the buffers the last reductions left in the pool are freed."""
+        if not self.in_flight:
+            self.pool.clear()
 
     def end_step(self) -> None:
         """Nothing to free."""

@@ -25,12 +25,24 @@ LAYOUTS = {"packed": None, "inplace": 0.1}  # MiB: WideMLP's 256x256 weights (0.
 
 
 class Record(pl.Callback):
-    """Losses, parameters after each step and the strategy's communicated bytes per step."""
+    """Losses, parameters after each step, the strategy's communicated bytes per step, and the bytes of the free
+    bucket buffers its pool keeps before each backward and before each optimizer step."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.params: list[torch.Tensor] = []
         self.comm: list[tuple[int, int]] = []
+        self.pool: dict[str, list[list[int]]] = {"backward": [], "step": []}
+
+    def _pool(self, trainer, when: str) -> None:
+        pool = trainer.strategy.runtime.parameters.pool
+        self.pool[when].append([b.numel() * b.element_size() for b in pool.buffers()])
+
+    def on_before_backward(self, trainer, *_args) -> None:
+        self._pool(trainer, "backward")
+
+    def on_before_optimizer_step(self, trainer, *_args) -> None:
+        self._pool(trainer, "step")
 
     def on_train_batch_start(self, trainer, *_args) -> None:
         trainer.strategy.comm_stats.reset()
@@ -55,10 +67,9 @@ def _run(rank: int, world_size: int) -> dict:
                                        gradient_clip_val=0.5)
                 trainer.fit(WideMLP())
                 params = trainer.strategy.runtime.parameters
-                pool = [b.numel() * b.element_size() for b in params.pool.buffers()]
                 names = [name for name, _ in trainer.lightning_module.named_parameters()]
                 gather_order = [names.index(bucket.shards[0].name) for bucket in params._order]
-                out[(precision, stage, layout)] = (record.losses, record.params, record.comm, pool, gather_order)
+                out[(precision, stage, layout)] = (record.losses, record.params, record.comm, record.pool, gather_order)
     return out
 
 
@@ -90,10 +101,13 @@ def test_inplace_layout_holds_no_bucket_buffer_for_the_large_parameters(precisio
     for per_rank in results():
         packed_pool = per_rank[(precision, stage, "packed")][3]
         inplace_pool = per_rank[(precision, stage, "inplace")][3]
-        # Packed: the bucket holding the whole model is kept for the next step. In place: only the bucket of the
-        # small parameters (biases, the LayerNorm, the 3-row head, padded to 4 rows).
-        assert max(packed_pool) == (3 * weight + small) * itemsize
-        assert max(inplace_pool) == small * itemsize
+        # After the backward's reductions the pool keeps their buffer for the gathers after the step. Packed: the
+        # bucket holding the whole model. In place: only the bucket of the small parameters (biases, the
+        # LayerNorm, the 3-row head, padded to 4 rows).
+        assert packed_pool["step"] == [[(3 * weight + small) * itemsize]] * STEPS
+        assert inplace_pool["step"] == [[small * itemsize]] * STEPS
+        # Once the gathers have completed in the forward, it keeps nothing: the activations can use that memory.
+        assert packed_pool["backward"] == inplace_pool["backward"] == [[]] * STEPS
 
 
 def test_inplace_layout_gathers_in_the_order_the_forward_uses_the_parameters() -> None:
