@@ -17,9 +17,9 @@ as a ring reduce-scatter does and half of what an all-reduce moves; measured wit
 buffer (one thread per rank), 17-23 ms against 28-35 ms for the all-reduce at 2 ranks, 30-37 ms against 50-72 ms at
 4. At 2 ranks the sum is bitwise an all-reduce's (one addition); at more, the order of additions differs from gloo's
 ring by the last bits. The received segments, ``(N-1)/N`` of the buffer, are held until the reduction completes
-(``Pending.held_bytes``, bounded by ``InFlight``). gloo sends and receives host tensors only, so with CUDA tensors on
-gloo (``process_group_backend="gloo"`` on GPUs) the reduce-scatter stays an all-reduce of the whole buffer, of which
-the rank keeps its segment.
+(``Pending.held_bytes``; ``InFlight`` bounds how many such reductions are pending). gloo sends and receives host
+tensors only, so with CUDA tensors on gloo (``process_group_backend="gloo"`` on GPUs) the reduce-scatter stays an
+all-reduce of the whole buffer, of which the rank keeps its segment.
 
 [Note: what the byte accounting counts]
 Every call records the *logical* volume per rank of the operation the algorithm needs, as a ring implementation
@@ -112,23 +112,25 @@ class Pending:
 class InFlight:
     """Collectives launched bucket by bucket and completed in launch order, bounding the transient memory they hold
     (a bucket buffer, a full gradient freed on completion, the segments a reduce-scatter receives): the oldest is
-    completed while more than ``limit`` of those holding memory are pending and, with ``limit_bytes``, they hold more
-    than that many bytes together. One running on a tensor in place and receiving nothing holds no extra memory, so
-    does not count."""
+    completed while more than ``limit`` of those holding memory are pending. One running on a tensor in place and
+    receiving nothing holds no extra memory, so does not count.
 
-    def __init__(self, limit: int = MAX_IN_FLIGHT, limit_bytes: int = 0) -> None:
+    A completed collective is consumed only here: gloo's point-to-point works report completion only once waited on,
+    so pending reductions keep what they received until they are pushed out. A cap on pending bytes instead of on
+    pending holders (up to two buckets' bytes) let many in-place reductions pile up their received segments late in
+    the backward: 20 MB of zero1's training peak at L-2, with no step time gained (BENCHMARKS.md findings)."""
+
+    def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
         self.limit = limit
-        self.limit_bytes = limit_bytes
-        self._queue: deque[tuple[Pending, Callable[[Any], None], int]] = deque()
+        self._queue: deque[tuple[Pending, Callable[[Any], None], bool]] = deque()
         self._holding = 0
-        self._held_bytes = 0
 
     def add(self, pending: Pending, on_done: Callable[[Any], None], held_bytes: int) -> None:
         """Queue ``pending``, which holds ``held_bytes`` of transient memory until ``on_done`` has consumed it."""
-        self._queue.append((pending, on_done, held_bytes))
-        self._holding += held_bytes > 0
-        self._held_bytes += held_bytes
-        while self._holding > self.limit and self._held_bytes > self.limit_bytes:
+        holds = held_bytes > 0
+        self._queue.append((pending, on_done, holds))
+        self._holding += holds
+        while self._holding > self.limit:
             self._complete_oldest()
 
     def drain(self) -> None:
@@ -139,9 +141,8 @@ class InFlight:
         return len(self._queue)
 
     def _complete_oldest(self) -> None:
-        pending, on_done, held_bytes = self._queue.popleft()
-        self._holding -= held_bytes > 0
-        self._held_bytes -= held_bytes
+        pending, on_done, holds = self._queue.popleft()
+        self._holding -= holds
         on_done(pending.wait())
 
 

@@ -20,8 +20,8 @@ lives in param.grad]). Stage 2 reduces on every backward, adds the averaged rows
 per parameter, and frees each full gradient as soon as its bucket is packed. A large gradient is not packed: it is
 its own bucket and is reduced in place (see [Note: a large parameter is its own buffer]). At most ``MAX_IN_FLIGHT``
 reductions that hold memory until they complete (a pool buffer, under stage 2 a full gradient, the reduced segment
-on NCCL or the segments received on gloo) are pending at once, or more while together they hold at most
-``MAX_IN_FLIGHT`` buckets' bytes; so the transient memory of reductions is at most the larger of the two.
+on NCCL or the segments received on gloo) are pending at once, so the transient memory of reductions is at most that
+many buckets' (or large parameters').
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_zero.config import CommConfig
-from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives, InFlight
+from lightning_zero.sharding.collectives import BufferPool, Collectives, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
 
@@ -162,7 +162,7 @@ class GradReducer:
         self._position: dict[ParamShard, tuple[int, int]] = {}
         self._ready: list[list[bool]] = []
         self._next_launch = 0
-        self._in_flight = InFlight(limit_bytes=MAX_IN_FLIGHT * config.bucket_bytes)
+        self._in_flight = InFlight()
         self._deferring = False
         self._started = False
         self._warned_unused = False

@@ -50,22 +50,22 @@ def test_in_flight_bounds_the_memory_pending_collectives_hold() -> None:
     from lightning_zero.sharding.collectives import InFlight, Pending
 
     done: list[str] = []
-    in_flight = InFlight(limit=2, limit_bytes=100)
+    in_flight = InFlight(limit=2)
 
     def add(name: str, held: int) -> None:
         in_flight.add(Pending([], lambda: name), done.append, held)
 
-    for name in ("a", "b", "c"):  # 90 bytes: within limit_bytes, so more than `limit` may be pending
-        add(name, 30)
+    add("a", 30)
     add("in-place", 0)  # holds nothing: never counts
-    assert done == [] and len(in_flight) == 4
-    add("d", 30)  # 120 bytes: the oldest completes first
+    add("b", 30)
+    assert done == [] and len(in_flight) == 3
+    add("c", 1)  # a third holder, however small: the oldest completes first
     assert done == ["a"]
-    add("large", 500)  # over limit_bytes alone: completed down to `limit` holders, never below
-    assert done == ["a", "b", "c"]
-    assert len(in_flight) == 3  # "in-place", "d", "large": two holders
+    add("d", 500)
+    assert done == ["a", "in-place", "b"]  # in launch order, down to `limit` holders
+    assert len(in_flight) == 2
     in_flight.drain()
-    assert done == ["a", "b", "c", "in-place", "d", "large"]
+    assert done == ["a", "in-place", "b", "c", "d"]
 
 
 def test_buffer_pool_hands_out_the_smallest_buffer_that_fits() -> None:
