@@ -40,20 +40,27 @@ from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
 
 class GradHooks:
-    """A post-accumulate-grad hook on every parameter that requires a gradient, calling ``on_ready(shard)``.
+    """A post-accumulate-grad hook on every parameter that requires a gradient, calling ``on_ready(shard)``, and, if
+    given, a hook calling ``on_arriving(shard)`` as each gradient is computed, before it is accumulated.
 
     torch only hooks tensors that require a gradient, and a frozen parameter may be unfrozen later (``BaseFinetuning``,
     ``toggle_optimizer``): ``cover`` is called again before every backward and hooks the newly trainable ones.
     """
 
-    def __init__(self, on_ready: Callable[[ParamShard], None]) -> None:
+    def __init__(
+        self, on_ready: Callable[[ParamShard], None], on_arriving: Callable[[ParamShard], None] | None = None
+    ) -> None:
         self.on_ready = on_ready
-        self._handles: dict[ParamShard, Any] = {}
+        self.on_arriving = on_arriving
+        self._handles: dict[ParamShard, list[Any]] = {}
 
     def cover(self, shards: Iterable[ParamShard]) -> None:
         for shard in shards:
             if shard not in self._handles and shard.param.requires_grad:
-                self._handles[shard] = shard.param.register_post_accumulate_grad_hook(self._hook(shard))
+                handles = [shard.param.register_post_accumulate_grad_hook(self._hook(shard))]
+                if self.on_arriving is not None:
+                    handles.append(shard.param.register_hook(self._arriving_hook(shard)))
+                self._handles[shard] = handles
 
     def _hook(self, shard: ParamShard):
         def hook(_param: Tensor) -> None:
@@ -61,9 +68,16 @@ class GradHooks:
 
         return hook
 
+    def _arriving_hook(self, shard: ParamShard):
+        def hook(_grad: Tensor) -> None:
+            self.on_arriving(shard)
+
+        return hook
+
     def remove(self) -> None:
-        for handle in self._handles.values():
-            handle.remove()
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
         self._handles.clear()
 
 
@@ -75,6 +89,16 @@ class GradShards:
     next reduction adds onto them; ``settle`` (after it) puts back those that no reduction touched.
     ``keep_full_grads`` (stage 1) shows a view of the full gradient's own rows; otherwise the rows live in a
     persistent shard-sized buffer per parameter.
+
+    [Note: stage 1 reuses its full gradients' memory]
+    Stage 1's full gradients are model state (one per parameter, as under DDP), yet ``zero_grad(set_to_none=True)``,
+    Lightning's default, drops them every step, and autograd allocated them again in the next backward. On a host
+    that sent tens of MB through the allocator each step, and glibc's heap kept more of it than it returned: on the
+    long sequence (M-seq1024-2) zero1's training peak RSS read 473-489 MB per rank, against 432-437 MB with the
+    gradients kept (BENCHMARKS.md findings). So a dropped full gradient is kept as a spare, and lent back zeroed (``lend_spare``) as
+    the next gradient of its parameter arrives, just before autograd accumulates it; a parameter that gets no gradient
+    keeps ``None``, as before. As with DDP's ``gradient_as_bucket_view``, a reference to an old ``param.grad`` kept
+    past ``zero_grad`` sees the next step's gradient.
     """
 
     def __init__(self, world_size: int, keep_full_grads: bool) -> None:
@@ -84,16 +108,27 @@ class GradShards:
         self._held: dict[ParamShard, Tensor] = {}
         self._full: dict[ParamShard, Tensor] = {}
         self._storage: dict[ParamShard, Tensor] = {}
+        self._spare: dict[ParamShard, Tensor] = {}
 
     def take(self) -> None:
         """Before a backward: carry the shards still in ``param.grad`` into it (``zero_grad`` drops them)."""
         for shard, given in self._given.items():
             full = self._full.pop(shard, None)
             if shard.param.grad is not given:  # dropped by zero_grad(set_to_none=True), or replaced by the user
+                if full is not None:
+                    self._spare[shard] = full
                 continue
             self._held[shard] = given
             shard.param.grad = self._full_holding(shard, full, given) if self.keep_full_grads else None
         self._given.clear()
+
+    def lend_spare(self, shard: ParamShard) -> None:
+        """Stage 1, as a gradient of ``shard``'s parameter arrives: if the parameter has none, give it its dropped
+        full gradient, zeroed, to accumulate into (see [Note: stage 1 reuses its full gradients' memory])."""
+        spare = self._spare.pop(shard, None)
+        param = shard.param
+        if spare is not None and param.grad is None and spare.shape == param.shape and spare.dtype == param.dtype:
+            param.grad = spare.zero_()
 
     def _full_holding(self, shard: ParamShard, full: Tensor, rows: Tensor) -> Tensor:
         """Stage 1: the full gradient whose own rows are ``N`` times the reduced rows and whose other rows are zero,
@@ -166,7 +201,7 @@ class GradReducer:
         self._deferring = False
         self._started = False
         self._warned_unused = False
-        self._hooks = GradHooks(self._on_grad_ready)
+        self._hooks = GradHooks(self._on_grad_ready, self.grad_shards.lend_spare if keep_full_grads else None)
         self._hooks.cover(self._order)
         self._use_plan()
 

@@ -25,24 +25,36 @@ LAYOUTS = {"packed": None, "inplace": 0.1}  # MiB: WideMLP's 256x256 weights (0.
 
 
 class Record(pl.Callback):
-    """Losses, parameters after each step, the strategy's communicated bytes per step, and the bytes of the free
-    bucket buffers its pool keeps before each backward and before each optimizer step."""
+    """Losses, parameters after each step, the strategy's communicated bytes per step, the bytes of the free bucket
+    buffers its pool keeps before each backward and before each optimizer step, and where the gradients live: whether
+    every ``param.grad`` is None before each backward (Lightning's ``zero_grad`` sets them to None), and before each
+    optimizer step whether each one's storage is the one the first step's gradient had (kept alive here, so that an
+    allocation could not land at the same address by chance)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.params: list[torch.Tensor] = []
         self.comm: list[tuple[int, int]] = []
         self.pool: dict[str, list[list[int]]] = {"backward": [], "step": []}
+        self.grads_none: list[bool] = []
+        self.grad_storage_reused: list[list[bool]] = []
+        self._first_grads: list[torch.Tensor] = []
 
     def _pool(self, trainer, when: str) -> None:
         pool = trainer.strategy.runtime.parameters.pool
         self.pool[when].append([b.numel() * b.element_size() for b in pool.buffers()])
 
-    def on_before_backward(self, trainer, *_args) -> None:
+    def on_before_backward(self, trainer, pl_module, *_args) -> None:
         self._pool(trainer, "backward")
+        self.grads_none.append(all(p.grad is None for p in pl_module.parameters()))
 
-    def on_before_optimizer_step(self, trainer, *_args) -> None:
+    def on_before_optimizer_step(self, trainer, pl_module, *_args) -> None:
         self._pool(trainer, "step")
+        grads = [p.grad for p in pl_module.parameters()]
+        if not self._first_grads:
+            self._first_grads = grads
+        pointers = [g.untyped_storage().data_ptr() for g in self._first_grads]
+        self.grad_storage_reused.append([g.untyped_storage().data_ptr() == p for g, p in zip(grads, pointers)])
 
     def on_train_batch_start(self, trainer, *_args) -> None:
         trainer.strategy.comm_stats.reset()
@@ -69,7 +81,8 @@ def _run(rank: int, world_size: int) -> dict:
                 params = trainer.strategy.runtime.parameters
                 names = [name for name, _ in trainer.lightning_module.named_parameters()]
                 gather_order = [names.index(bucket.shards[0].name) for bucket in params._order]
-                out[(precision, stage, layout)] = (record.losses, record.params, record.comm, record.pool, gather_order)
+                out[(precision, stage, layout)] = (record.losses, record.params, record.comm, record.pool, gather_order,
+                                                   record.grads_none, record.grad_storage_reused)
     return out
 
 
@@ -116,3 +129,18 @@ def test_inplace_layout_gathers_in_the_order_the_forward_uses_the_parameters() -
     for per_rank in results():
         order = per_rank[("32-true", 1, "inplace")][4]
         assert len(order) == 4 and order == sorted(order)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_reuse_their_memory_across_steps(stage: int, layout: str) -> None:
+    # Lightning's zero_grad(set_to_none=True) drops every gradient before each backward, yet each backward's
+    # gradients land in the memory the first step's had: under stage 2 the persistent shard buffers, under stage 1
+    # the full gradients, lent back as each gradient arrives (grad_hooks.py, [Note: stage 1 reuses its full
+    # gradients' memory]).
+    n_params = len(list(WideMLP().parameters()))
+    for precision in ("32-true", "bf16-mixed"):
+        for per_rank in results():
+            grads_none, reused = per_rank[(precision, stage, layout)][5:]
+            assert grads_none == [True] * STEPS
+            assert reused == [[True] * n_params] * STEPS
