@@ -92,13 +92,13 @@ class GradShards:
 
     [Note: stage 1 reuses its full gradients' memory]
     Stage 1's full gradients are model state (one per parameter, as under DDP), yet ``zero_grad(set_to_none=True)``,
-    Lightning's default, drops them every step, and autograd allocated them again in the next backward. On a host
-    that sent tens of MB through the allocator each step, and glibc's heap kept more of it than it returned: on the
-    long sequence (M-seq1024-2) zero1's training peak RSS read 470-490 MB per rank, against 429-437 MB with the
-    gradients kept (BENCHMARKS.md findings). So a dropped full gradient is kept as a spare, and lent back zeroed (``lend_spare``) as
-    the next gradient of its parameter arrives, just before autograd accumulates it; a parameter that gets no gradient
-    keeps ``None``, as before. As with DDP's ``gradient_as_bucket_view``, a reference to an old ``param.grad`` kept
-    past ``zero_grad`` sees the next step's gradient.
+    Lightning's default, drops them every step, and autograd allocated them again in the next backward. That sent
+    tens of MB through the host allocator each step, and glibc's heap kept more of it than it returned: on the long
+    sequence (M-seq1024-2) zero1's training peak RSS read 470-490 MB per rank, against 429-437 MB with the gradients
+    kept (BENCHMARKS.md findings). So a dropped full gradient is kept as a spare and lent back, zeroed
+    (``lend_spare``), as the next gradient of its parameter arrives, just before autograd accumulates it; a parameter
+    that gets no gradient keeps ``None``, as before. As with DDP's ``gradient_as_bucket_view``, a reference to an old
+    ``param.grad`` kept past ``zero_grad`` sees the next step's gradient.
     """
 
     def __init__(self, world_size: int, keep_full_grads: bool) -> None:
