@@ -57,22 +57,10 @@ class GradHooks:
     def cover(self, shards: Iterable[ParamShard]) -> None:
         for shard in shards:
             if shard not in self._handles and shard.param.requires_grad:
-                handles = [shard.param.register_post_accumulate_grad_hook(self._hook(shard))]
+                handles = [shard.param.register_post_accumulate_grad_hook(_calling(self.on_ready, shard))]
                 if self.on_arriving is not None:
-                    handles.append(shard.param.register_hook(self._arriving_hook(shard)))
+                    handles.append(shard.param.register_hook(_calling(self.on_arriving, shard)))
                 self._handles[shard] = handles
-
-    def _hook(self, shard: ParamShard):
-        def hook(_param: Tensor) -> None:
-            self.on_ready(shard)
-
-        return hook
-
-    def _arriving_hook(self, shard: ParamShard):
-        def hook(_grad: Tensor) -> None:
-            self.on_arriving(shard)
-
-        return hook
 
     def remove(self) -> None:
         for handles in self._handles.values():
@@ -319,6 +307,15 @@ class GradReducer:
 
     def remove(self) -> None:
         self._hooks.remove()
+
+
+def _calling(callback: Callable[[ParamShard], None], shard: ParamShard) -> Callable[[Tensor], None]:
+    """A tensor hook that calls ``callback(shard)`` and leaves the gradient as it is."""
+
+    def hook(_tensor: Tensor) -> None:
+        callback(shard)
+
+    return hook
 
 
 def warn_unused(names: list[str]) -> None:
