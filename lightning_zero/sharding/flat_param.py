@@ -320,10 +320,12 @@ class Bucket:
         if staged:
             torch._foreach_copy_([dst for dst, _ in staged], [src for _, src in staged])
 
-    def unpack_to_storage(self, buffer: Tensor) -> list[Tensor]:
-        """Copy a rank-major buffer into one new parameter-major tensor; returns each parameter's (padded) storage,
-        to be viewed at its shape (stage 3 unsharding: one copy, no staging)."""
-        storage = torch.empty(self.full_numel, dtype=buffer.dtype, device=buffer.device)
+    def unpack_to_storage(self, buffer: Tensor, storage: Tensor | None = None) -> list[Tensor]:
+        """Copy a rank-major buffer into one parameter-major tensor of ``full_numel`` elements (``storage``, or a
+        new one); returns each parameter's (padded) piece of it, to be viewed at its shape (stage 3 unsharding: one
+        copy, no staging)."""
+        if storage is None:
+            storage = torch.empty(self.full_numel, dtype=buffer.dtype, device=buffer.device)
         pieces = list(storage.split([self.world_size * p for p in self.padded_numels]))
         outs = [piece.view(self.world_size, p) for piece, p in zip(pieces, self.padded_numels)]
         torch.split_with_sizes_copy(buffer.view(self.world_size, -1), self.padded_numels, dim=1, out=outs)

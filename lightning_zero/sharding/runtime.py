@@ -260,6 +260,9 @@ class ZeroRuntime:
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
+        if self.released:  # after fit the module holds its full parameters already: nothing to gather or free
+            yield
+            return
         with self.parameters.gathered():
             yield
 

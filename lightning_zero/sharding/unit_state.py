@@ -8,6 +8,19 @@ touches it outside a forward sees 0 elements, never freed memory); to unshard, e
 dtype) is all-gathered and copied into one new tensor, and each parameter's ``.data`` becomes its view of it
 (``ParamShard.to_unsharded``). Swapping ``.data`` leaves the version counter alone, so autograd accepts the parameters
 it saved in forward once the pre-backward hook has gathered them again.
+
+Autograd also saves *views* of the full parameters, not the parameters: ``nn.Linear`` on an input that needs a
+gradient saves ``weight.t()`` for its backward. Such a view refers to the storage the parameter had in the forward,
+so swapping ``.data`` alone would keep every unit's gathered storage alive from its forward to its backward (all
+gathered parameters at once at the end of the forward, as with ``reshard_after_forward=False``), and the backward's
+gather would go into a second copy. So each gather bucket keeps one storage for the life of the unit: a gather fills
+it and the parameters become views of it, a reshard resizes it to 0 bytes in place (as FSDP2 does), which frees the
+memory for the saved views too, and the next gather gives it its size back before filling it, so that the saved
+views read the newly gathered values. A saved view is only read in the unit's backward, after its pre-backward hook
+gathered the unit. A view of a full parameter kept past a reshard by user code has no memory behind it then: it must
+not be read (CUDA reports an illegal memory access; on a host it may crash); keep a ``.clone()`` instead. A storage
+that a NumPy array shares (``.numpy()`` of a full parameter makes it non-resizable) is left to the array, and the
+next gather fills a new one.
 """
 
 from __future__ import annotations
@@ -69,6 +82,9 @@ class Unit:
         #: across its units; this one keeps none, so each gather allocates afresh).
         self.pool = BufferPool(comms.device, limit=0)
         self.gather_buckets = make_buckets(self.shards, UNBOUNDED)
+        #: Per gather bucket, the storage the full parameters are views of: kept from gather to gather and emptied
+        #: in place between them (see [Note: how a full parameter is freed and restored]).
+        self._storages: list[Tensor | None] = [None] * len(self.gather_buckets)
         self.state = UnitState.SHARDED
         #: In state BACKWARD: the shards whose gradient has not been accumulated yet, and "inputs" once per forward
         #: call whose inputs' gradients do not exist yet.
@@ -102,9 +118,14 @@ class Unit:
         self.start_unshard()
         if self.state is not UnitState.GATHERING:
             return
-        for bucket, pending, buffer in self._pending:
-            for shard, storage in zip(bucket.shards, bucket.unpack_to_storage(pending.wait())):
-                shard.to_unsharded(storage)
+        for i, (bucket, pending, buffer) in enumerate(self._pending):
+            storage = self._storages[i]
+            if storage is None:
+                storage = self._storages[i] = bucket.empty()
+            else:
+                storage.untyped_storage().resize_(storage.numel() * storage.element_size())
+            for shard, piece in zip(bucket.shards, bucket.unpack_to_storage(pending.wait(), storage)):
+                shard.to_unsharded(piece)
                 shard.mark_written()
             self.pool.give(buffer)  # unpacked: nothing refers to it any more
         self._pending = []
@@ -121,6 +142,13 @@ class Unit:
             if keep_edits:
                 shard.adopt_edits()
             shard.to_sharded()
+        for i, storage in enumerate(self._storages):
+            if storage is None:
+                continue
+            if storage.untyped_storage().resizable():
+                storage.untyped_storage().resize_(0)  # freed, also for the views autograd saved in the forward
+            else:  # a NumPy array was made from it (.numpy()) and shares its memory: leave it to them
+                self._storages[i] = None
         self.state = UnitState.SHARDED
 
     def refresh(self) -> None:
