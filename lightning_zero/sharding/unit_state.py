@@ -123,7 +123,7 @@ class Unit:
             if storage is None:
                 storage = self._storages[i] = bucket.empty()
             else:
-                storage.untyped_storage().resize_(storage.numel() * storage.element_size())
+                storage.untyped_storage().resize_(storage.nbytes)
             for shard, piece in zip(bucket.shards, bucket.unpack_to_storage(pending.wait(), storage)):
                 shard.to_unsharded(piece)
                 shard.mark_written()

@@ -42,8 +42,8 @@ class Stack(pl.LightningModule):
 
 
 class GatheredBytes(pl.Callback):
-    """Bytes of the storages gathered this step that are still alive and hold memory (root unit excluded: it stays
-    gathered for the whole step), before the backward and before the optimizer step; and the losses."""
+    """Bytes of the storages gathered this step that are still alive and hold memory, before the backward and before
+    the optimizer step; and the losses."""
 
     def __init__(self, gathered: list) -> None:
         self.gathered = gathered
@@ -89,10 +89,16 @@ def _run(rank: int, world_size: int) -> dict:
 
     def following(shard: ParamShard, storage: torch.Tensor) -> None:
         to_unsharded(shard, storage)
-        if "." in shard.name:  # a unit's parameter (the root unit has none here)
-            gathered.append(storage.untyped_storage()._weak_ref())
+        gathered.append(storage.untyped_storage()._weak_ref())  # every parameter is a Linear unit's: the root has none
 
     ParamShard.to_unsharded = following
+    try:
+        return _fits(gathered, world_size)
+    finally:
+        ParamShard.to_unsharded = to_unsharded
+
+
+def _fits(gathered: list, world_size: int) -> dict:
     out, shapes = {}, {}
     for name, strategy, callback in [
         ("ddp", DDPStrategy(), GatheredBytes),
@@ -110,7 +116,6 @@ def _run(rank: int, world_size: int) -> dict:
                 pass
         shapes[name] = [tuple(p.shape) for p in model.parameters()]
         out[name] = (record.before_backward, record.before_step, record.losses)
-    ParamShard.to_unsharded = to_unsharded
     return out | {"shapes": shapes}
 
 
