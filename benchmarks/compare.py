@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import os
 import platform
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -58,6 +58,7 @@ def run_one(config, name: str, rnd: int, args, outdir: str) -> dict:
                 timers=[t for t in args.timers.split(",") if t])
     port = _free_port()
     load_before = _loadavg()
+    steal_before = _cpu_times()
     procs = []
     t0 = time.time()
     for rank in range(world):
@@ -96,7 +97,7 @@ def run_one(config, name: str, rnd: int, args, outdir: str) -> dict:
             with open(path) as f:
                 ranks.append(json.load(f))
     base = dict(config=config.name, approach=name, round=rnd, wall_s=round(wall, 1), codes=codes,
-                load_before=load_before, load_after=_loadavg())
+                load_before=load_before, load_after=_loadavg(), steal=_steal_share(steal_before, _cpu_times()))
     if len(ranks) != world:
         with open(os.path.join(logdir, f"{run_id}.rank0.log")) as f:
             lines = [line for line in f.read().splitlines() if line.strip()]
@@ -113,7 +114,10 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default=None, help="JSON results path (default: benchmarks/results/full.json, "
                                                     "or <workdir>/quick.json with --quick)")
     ap.add_argument("--workdir", default=os.path.join(ROOT, "bench_work", "compare"), help="logs and per-rank records")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the scaling configurations (main: one more)")
+    ap.add_argument("--goal-rounds", type=int, default=None,
+                    help="more rounds of the main configuration's goal approaches (default: as many as its rounds)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the scaling configurations (main: one more, and as many again "
+                    "of the approaches its goal figures compare, zbench/plan.py)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per run (memory is counted in the last one)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
     ap.add_argument("--only", default="", help="comma list of configuration names to run (e.g. M-2,M-1)")
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
     if args.quick:
         configs = quick_plan()
     else:
-        configs = full_plan(args.rounds, args.warmup, args.steps)
+        configs = full_plan(args.rounds, args.warmup, args.steps, args.goal_rounds)
     if args.only:
         keep = set(args.only.split(","))
         configs = [c for c in configs if c.name in keep]
@@ -190,7 +194,8 @@ def main(argv=None) -> int:
         quick=args.quick, started=time.strftime("%Y-%m-%d %H:%M", time.localtime(t_all)),
         duration_s=round(time.time() - t_all), machine=_machine(),
         configs=[dict(name=c.name, purpose=c.purpose, size=c.size.as_dict(), world=c.world, batch=c.batch,
-                      approaches=list(c.approaches), rounds=c.rounds, warmup=c.warmup, steps=c.steps)
+                      approaches=list(c.approaches), rounds=c.rounds, goal_rounds=c.goal_rounds, warmup=c.warmup,
+                      steps=c.steps)
                  for c in configs],
         skipped=skipped, runs=runs,
         labels={n: dict(label=a.label, family=a.family, offload=a.offload, note=a.note, kind=a.kind)
@@ -242,6 +247,24 @@ def _command(argv) -> str:
         python = os.path.relpath(python, ROOT)
     env = "DS_ACCELERATOR=cpu " if os.environ.get("DS_ACCELERATOR") else ""
     return " ".join([env + python, os.path.relpath(os.path.abspath(__file__), ROOT)] + list(argv or sys.argv[1:]))
+
+
+def _cpu_times() -> list[int] | None:
+    """The machine's CPU time counters (``/proc/stat``, all CPUs, in clock ticks), or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def _steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Of the CPU time that passed between two ``_cpu_times`` readings, the share the hypervisor gave to other guests
+    (steal, the 8th counter): a run with a high share was slowed by the host, not by its approach."""
+    if not before or not after or len(before) < 8:
+        return None
+    total = sum(a - b for a, b in zip(after[:8], before[:8]))
+    return round((after[7] - before[7]) / total, 4) if total > 0 else None
 
 
 def _loadavg() -> float | None:

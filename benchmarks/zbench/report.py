@@ -4,6 +4,8 @@
 - step time: per step, the slowest rank's time; pooled over the timed steps of all rounds; median (min, max).
   A round more than ``DISTURBED`` times slower (median) than the approach's best round is left out of the pool and
   flagged in the per-round list; on a quiet machine rounds agree within ~5% and nothing is left out.
+- CPU time: per step, the CPU time of all ranks' processes together (worker.py, [Note: CPU time]), pooled like the
+  step time, median; beside it, per round, the share of the machine's CPU time the hypervisor stole during the run.
 - throughput: tokens of one global step (ranks x batch x sequence length) / median step time.
 - model-state bytes: parameters + gradients + optimizer states held by a rank after backward (measure.py), the
   largest rank's figure; "all tensors" adds every other live tensor (buckets, internal buffers).
@@ -53,7 +55,7 @@ def summarize(results: dict) -> dict[str, dict[str, dict]]:
             out[cname][name] = dict(ok=False, error=runs[0].get("error", ""), codes=runs[0].get("codes"))
             continue
         warm, world = c["warmup"], c["world"]
-        times, round_medians, comm, wire, peaks, bases, finals = [], [], [], [], [], [], []
+        times, cpu, round_medians, comm, wire, peaks, bases, finals = [], [], [], [], [], [], [], []
         train_peaks, phase_peaks = [], {}
         per_round = []
         for run in ok:
@@ -66,6 +68,8 @@ def summarize(results: dict) -> dict[str, dict[str, dict]]:
             per_step = per_round[i]
             if i not in disturbed:
                 times += per_step
+                if all("cpu" in d for d in ranks):
+                    cpu += [sum(d["cpu"][s] for d in ranks) for s in range(warm, len(ranks[0]["cpu"]))]
             round_medians.append(statistics.median(per_step))
             train_peaks.append(max(d.get("peak_train", d["peak_rss"]) - d["rss_base"] for d in ranks))
             for d in ranks:
@@ -93,6 +97,7 @@ def summarize(results: dict) -> dict[str, dict[str, dict]]:
         row = dict(
             ok=True, n_params=n_params, world=world, rounds=len(ok), failed_rounds=len(runs) - len(ok),
             step_s=med, step_min=min(times), step_max=max(times), round_medians=round_medians,
+            cpu_s=statistics.median(cpu) if cpu else None, round_steal=[run.get("steal") for run in ok],
             tokens_per_s=tokens / med,
             model_state=max(m["model_state"] for m in mem), params=biggest["params"], grads=biggest["grads"],
             optim=biggest["optim"], other=biggest["other"], all_tensors=max(m["total"] for m in mem),
@@ -153,7 +158,8 @@ def _config_line(c: dict, n_params: int | None) -> str:
     p = f"{n_params / 1e6:.2f} M parameters, " if n_params else ""
     return (f"model {s['name']}: {p}d_model={s['d_model']}, {s['n_layer']} layers, {s['n_head']} heads, vocab "
             f"{s['vocab']}, sequence {s['seq']}; {c['world']} rank(s) x {c['batch']} sequences; "
-            f"{c['warmup']} warm-up + {c['steps']} timed steps per run, {c['rounds']} round(s)")
+            f"{c['warmup']} warm-up + {c['steps']} timed steps per run, {c['rounds']} round(s)"
+            + (f", then {c['goal_rounds']} more of the approaches the goal figures compare" if c.get("goal_rounds") else ""))
 
 
 def main_table(results, cfg, rows) -> list[str]:
@@ -418,8 +424,13 @@ def ops_lines(results, rows) -> list[str]:
             extra += f"; optimizer {r['info']['optimizer']}"
         rounds = ", ".join(_ms(m) + ("*" if i in r["disturbed_rounds"] else "")
                            for i, m in enumerate(r["round_medians"]))
+        if r.get("cpu_s") is not None:
+            extra += f"; CPU per step, all ranks {_ms(r['cpu_s'])} ms"
+        steal = ""
+        if any(x is not None for x in r.get("round_steal", [])):
+            steal = "; host steal per round " + ", ".join("-" if x is None else f"{100 * x:.1f}%" for x in r["round_steal"])
         lines.append(f"- {_label(results, n)}: per step {ops or 'no collectives'}{extra}; median per round "
-                     f"{rounds} ms (* disturbed, left out); setup {r['setup_s']:.1f} s")
+                     f"{rounds} ms (* disturbed, left out){steal}; setup {r['setup_s']:.1f} s")
     return lines
 
 

@@ -15,6 +15,13 @@ forward+backward, including gradient reduction, and during the optimizer step, i
 second phase starts from the RSS left after backward, which glibc may not have returned to the system yet).
 For Lightning runs the phase boundary is ``on_before_optimizer_step``, after Lightning's closure ran forward and
 backward; for loop runs it is the return of ``fwd_bwd``.
+
+[Note: CPU time]
+Beside its wall-clock time, each step records the CPU time of the rank's process over the same span
+(``time.process_time()``: every thread, gloo's among them, user and system). Time the hypervisor gives to other guests
+(steal, which the driver records per run) and time spent blocked on a peer count in the wall-clock time but not here,
+so the CPU time is the steadier figure of how much work an approach does per step; it says nothing of how well that
+work overlaps, which only the wall-clock time shows.
 """
 
 from __future__ import annotations
@@ -48,13 +55,16 @@ class Recorder:
         self.phase_peaks: dict[str, int] = {}
         self.distributed = distributed
         self.times: list[float] = []
+        self.cpu: list[float] = []  # CPU seconds of this process (all its threads) per step, see [Note: CPU time]
         self.losses: list[float] = []
         self.comm: list[dict] = []
         self.wire: list[int] = []
         self.memory: dict | None = None
         self.extra: dict = {}
         self._t0 = 0.0
+        self._c0 = 0.0
         self._paused = 0.0
+        self._paused_cpu = 0.0
 
     def begin(self) -> None:
         if not self.times:
@@ -75,7 +85,8 @@ class Recorder:
         self._snap = self.counter.snapshot()
         self._timer_snap = self.timers.snapshot() if self.timers else None
         self._w0 = wchar()
-        self._paused = 0.0
+        self._paused = self._paused_cpu = 0.0
+        self._c0 = time.process_time()
         self._t0 = time.perf_counter()
 
     def phase(self, name: str) -> None:
@@ -89,16 +100,18 @@ class Recorder:
         """Run ``fn`` (a memory count) outside the clock and the communication count, in the last warm-up step."""
         if step != self.warmup - 1:
             return
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         self.counter.enabled = False
         try:
             fn()
         finally:
             self.counter.enabled = True
             self._paused += time.perf_counter() - t
+            self._paused_cpu += time.process_time() - c
 
     def end(self, loss) -> None:
         elapsed = time.perf_counter() - self._t0 - self._paused
+        self.cpu.append(time.process_time() - self._c0 - self._paused_cpu)
         self.phase("step")  # before the step is appended: phase() counts it as the current step
         w1 = wchar()
         self.times.append(elapsed)
@@ -278,7 +291,7 @@ def main(spec: dict) -> None:
     result = dict(
         approach=approach.name, rank=rank, world=world, n_params=n_params, threads=torch.get_num_threads(),
         torch=torch.__version__, setup_s=time.time() - t_start - sum(rec.times), info=info,
-        times=rec.times, losses=rec.losses, comm=[{k: list(v) for k, v in c.items()} for c in rec.comm],
+        times=rec.times, cpu=rec.cpu, losses=rec.losses, comm=[{k: list(v) for k, v in c.items()} for c in rec.comm],
         wire=rec.wire, memory=rec.memory, rss_base=rss_base, rss_end=rss_now(), peak_setup=rec.peak_setup,
         peak_rss=max(rec.peak_setup, rec.peak_train), peak_train=rec.peak_train, phase_peaks=rec.phase_peaks,
         extra=rec.extra, phases=rec.phases,

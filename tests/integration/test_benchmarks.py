@@ -23,7 +23,7 @@ sys.path.insert(0, str(BENCH))
 from zbench import report  # noqa: E402
 from zbench.measure import CollectiveCounter, ring_bytes  # noqa: E402
 from zbench.model import SIZES, build_model  # noqa: E402
-from zbench.plan import full_plan, quick_plan, schedule  # noqa: E402
+from zbench.plan import GOALS, full_plan, quick_plan, schedule  # noqa: E402
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -44,6 +44,17 @@ def test_schedule_alternates_order_between_rounds() -> None:
     # Configurations are interleaved: every configuration's first round comes before any second round.
     rounds = [r for _, _, r in order]
     assert rounds == sorted(rounds)
+
+
+def test_goal_approaches_get_more_rounds() -> None:
+    plan = full_plan(rounds=2)
+    runs: dict[tuple[str, str], list[int]] = {}
+    for c, n, r in schedule(plan):
+        runs.setdefault((c.name, n), []).append(r)
+    assert set(GOALS) < set(plan[0].approaches)
+    for (config, name), rounds in runs.items():
+        expected = 6 if config == "M-2" and name in GOALS else 3 if config == "M-2" else 2
+        assert rounds == list(range(expected)), (config, name, rounds)
 
 
 def test_ring_volume_convention() -> None:
@@ -84,6 +95,9 @@ def test_quick_run_is_consistent(tmp_path: Path) -> None:
         assert row["ok"], name
         # Timing figures are ordered and throughput follows from the median.
         assert 0 < row["step_min"] <= row["step_s"] <= row["step_max"]
+        # CPU time is recorded per step and rank (all ranks summed in the figure), the host's steal per run.
+        assert row["cpu_s"] > 0
+        assert all(x is None or 0.0 <= x <= 1.0 for x in row["round_steal"]), row["round_steal"]
         assert row["tokens_per_s"] == pytest.approx(2 * 2 * SIZES["tiny"].seq / row["step_s"])
         # Training happened, and identically for every approach (float re-association only).
         assert row["losses"][-1] < row["losses"][0], name
@@ -120,6 +134,10 @@ def test_quick_run_is_consistent(tmp_path: Path) -> None:
 
     text = out.read_text()
     assert "--quick" in text and "| lightning_zero zero3 |" in text and "Acceptance criteria" in text
+    assert "CPU per step, all ranks" in text
+    for run in results["runs"]:
+        for rank in run["ranks"]:
+            assert len(rank["cpu"]) == len(rank["times"]) and all(c > 0 for c in rank["cpu"])
     if not HAVE_DEEPSPEED:
         assert "skipped: deepspeed not installed" in text
     plot = results_path.with_suffix(".png")
