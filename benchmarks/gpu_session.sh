@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 13 as one prepared command, for a session that is lent a GPU (the `device` tool runs it in
+# the repository root and brings back what is written under $OUT):
+#
+#   bash benchmarks/gpu_session.sh                 # on the GPU machine: ~5 minutes
+#   SIZE=tiny bash benchmarks/gpu_session.sh       # the same steps on a CPU in about a minute (tests/gpu skip)
+#
+# 1. Installs the wheels carried in .whl/ (hydra-core, omegaconf, deepspeed, ...; how to download them is in the
+#    shared gpu/README.md) into .site/ and puts it and the checkout on PYTHONPATH; nothing is fetched.
+# 2. tests/gpu: the CUDA paths, each test once with the world-size-1 short cut and once with every NCCL collective
+#    issued (two NCCL ranks cannot share one GPU, so one rank with real collectives is how one GPU proves them).
+# 3. compare.py --gpu: the one-GPU table (single device, zero1/2/3, zero3 with its collectives issued, FSDP2 and
+#    DeepSpeed ZeRO-3 through Lightning) at SIZE (default the 1.3B GPT), written to $OUT/gpu.json and $OUT/GPU.md.
+#
+# Back on the development machine: copy gpu.json to benchmarks/results/gpu.json and re-render BENCHMARKS.md with
+# `python benchmarks/compare.py --report-only benchmarks/results/full.json`, which fills the one-GPU goal rows.
+set -uo pipefail
+
+OUT=${OUT:-bench_work/gpu_session}
+SIZE=${SIZE:-1.3B}
+PY=${PYTHON:-python}
+mkdir -p "$OUT"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | tail -3
+  export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+{
+  "$PY" -c "import torch; cuda = torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', cuda,
+torch.cuda.get_device_name() if cuda else '')"
+  nvidia-smi -L 2>/dev/null || true
+} | tee "$OUT/env.txt"
+
+status=0
+timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -40 | tee "$OUT/tests_gpu.txt" \
+  || status=1
+timeout "${BENCH_S:-360}" "$PY" benchmarks/compare.py --gpu --gpu-size "$SIZE" --results "$OUT/gpu.json" \
+  --out "$OUT/GPU.md" 2>&1 | tail -40 | tee "$OUT/compare_gpu.txt" || status=1
+echo "gpu_session: exit $status (results in $OUT)"
+exit $status
