@@ -116,8 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=os.path.join(ROOT, "bench_work", "compare"), help="logs and per-rank records")
     ap.add_argument("--goal-rounds", type=int, default=None,
                     help="more rounds of the main configuration's goal approaches (default: as many as its rounds)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the scaling configurations (main: one more, and as many again "
-                    "of the approaches its goal figures compare, zbench/plan.py)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds of the scaling configurations (main: one more, and as many again of the approaches "
+                    "its goal figures compare, zbench/plan.py)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per run (memory is counted in the last one)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
     ap.add_argument("--only", default="", help="comma list of configuration names to run (e.g. M-2,M-1)")

@@ -159,7 +159,8 @@ def _config_line(c: dict, n_params: int | None) -> str:
     return (f"model {s['name']}: {p}d_model={s['d_model']}, {s['n_layer']} layers, {s['n_head']} heads, vocab "
             f"{s['vocab']}, sequence {s['seq']}; {c['world']} rank(s) x {c['batch']} sequences; "
             f"{c['warmup']} warm-up + {c['steps']} timed steps per run, {c['rounds']} round(s)"
-            + (f", then {c['goal_rounds']} more of the approaches the goal figures compare" if c.get("goal_rounds") else ""))
+            + (f", then {c['goal_rounds']} more of the approaches the goal figures compare"
+               if c.get("goal_rounds") else ""))
 
 
 def main_table(results, cfg, rows) -> list[str]:
@@ -428,7 +429,8 @@ def ops_lines(results, rows) -> list[str]:
             extra += f"; CPU per step, all ranks {_ms(r['cpu_s'])} ms"
         steal = ""
         if any(x is not None for x in r.get("round_steal", [])):
-            steal = "; host steal per round " + ", ".join("-" if x is None else f"{100 * x:.1f}%" for x in r["round_steal"])
+            steal = "; host steal per round " + ", ".join(
+                "-" if x is None else f"{100 * x:.1f}%" for x in r["round_steal"])
         lines.append(f"- {_label(results, n)}: per step {ops or 'no collectives'}{extra}; median per round "
                      f"{rounds} ms (* disturbed, left out){steal}; setup {r['setup_s']:.1f} s")
     return lines

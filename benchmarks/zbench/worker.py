@@ -19,9 +19,9 @@ backward; for loop runs it is the return of ``fwd_bwd``.
 [Note: CPU time]
 Beside its wall-clock time, each step records the CPU time of the rank's process over the same span
 (``time.process_time()``: every thread, gloo's among them, user and system). Time the hypervisor gives to other guests
-(steal, which the driver records per run) and time spent blocked on a peer count in the wall-clock time but not here,
-so the CPU time is the steadier figure of how much work an approach does per step; it says nothing of how well that
-work overlaps, which only the wall-clock time shows.
+(steal, which the driver records per run) and time spent blocked on a peer count in the wall-clock time but not here:
+the CPU time is how much work an approach does per step, whatever its overlap. It still moves with the speed of the
+host's cores, as the wall-clock time does (measured: BENCHMARKS.md findings).
 """
 
 from __future__ import annotations
