@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, check_launch_settings, option_defaults
+from lightning_zero.host_math import settle_mkl_dispatch
 from lightning_zero.lightning_compat import apply_activation_checkpointing, install_summary, refuse_unsupported
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
@@ -146,6 +147,11 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         return model_state_bytes(self.lightning_module, self.optimizers, **self.runtime.held_tensors())
 
     # ---------------------------------------------------------------------------------------------------- setup
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        settle_mkl_dispatch()  # before any optimizer step on the host (host_math.py)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -78,6 +78,9 @@ def run_one(name: str, size: GpuSize) -> dict:
     """Train ``size.warmup + size.steps`` steps of approach ``name`` in this process; return its figures."""
     import lightning.pytorch as pl
 
+    from lightning_zero.host_math import settle_mkl_dispatch
+
+    settle_mkl_dispatch()  # every approach, not only lightning_zero's: see lightning_zero/host_math.py
     cuda = torch.cuda.is_available()
     times: list[float] = []
 
