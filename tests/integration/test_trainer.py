@@ -6,7 +6,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import lightning_zero  # noqa: F401  (registers the strategy names)
+import lightning_zero.strategy  # also registers the strategy names
+from lightning_zero import ZeroStrategy
 from tests.harness import run_on_ranks
 from tests.models import ParityModel, Recorder, flat_params, make_trainer
 
@@ -46,3 +47,25 @@ def test_world_size_one_equals_plain_training() -> None:
         torch.testing.assert_close(torch.tensor(result[name][0]), torch.tensor(result["single"][0]), rtol=1e-6, atol=0)
         for got, want in zip(result[name][1], result["single"][1]):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def _events_of_a_fit(rank: int, world_size: int) -> list[str]:
+    events: list[str] = []
+    lightning_zero.strategy.settle_mkl_dispatch = lambda: events.append("settle")  # this forked rank only
+
+    class Events(pl.Callback):
+        def setup(self, *_args, **_kwargs) -> None:
+            events.append("setup")
+
+        def on_before_optimizer_step(self, *_args) -> None:
+            events.append("step")
+
+    pl.seed_everything(0, verbose=False)
+    make_trainer(ZeroStrategy(stage=2), 1, max_steps=2, callbacks=[Events()]).fit(ParityModel("adamw"))
+    return events
+
+
+def test_the_strategy_settles_mkl_before_setup_and_the_first_step() -> None:
+    """host_math.py's warm-up runs in ``setup_environment``: before the callbacks' ``setup`` and the first step."""
+    (events,) = run_on_ranks(_events_of_a_fit, 1)
+    assert events == ["settle", "setup", "step", "step"]
