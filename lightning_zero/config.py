@@ -100,6 +100,10 @@ class Stage3Config:
             same unit, so control flow that differs between ranks fails at once naming both units, instead of
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per
             unit collective, waited for before issuing only where a rank leaves the sequence of the steps before.
+        buffer_pool_mb: on a host (not on CUDA, whose caching allocator reuses memory already), the gather and
+            reduction buffers kept across units and steps hold at most this many MiB; ``None`` (default): twice the
+            largest unit's buffer (the root unit, gathered once a step, not counted); 0 keeps none. Counted in
+            ``model_state_bytes()`` as ``buffers``.
     """
 
     units: tuple[str, ...] = ()
@@ -107,6 +111,7 @@ class Stage3Config:
     prefetch: int = 1
     reshard_after_forward: bool = True
     verify_unit_order: bool = True
+    buffer_pool_mb: float | None = None
 
     def __post_init__(self) -> None:
         _check_names("units", self.units)
@@ -114,10 +119,17 @@ class Stage3Config:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ZeroConfigError(f"prefetch={self.prefetch!r} is invalid: it must be an integer >= 1")
         _check_bool(self, "reshard_after_forward", "verify_unit_order")
+        pool = self.buffer_pool_mb
+        if pool is not None and not (_is_number(pool) and 0 <= pool < float("inf")):
+            raise ZeroConfigError(f"buffer_pool_mb={pool!r} is invalid: it must be a number of MiB >= 0, or null (auto)")
 
     @property
     def unit_bytes(self) -> int:
         return max(1, int(self.unit_mb * 2**20))
+
+    @property
+    def buffer_pool_bytes(self) -> int | None:
+        return None if self.buffer_pool_mb is None else int(self.buffer_pool_mb * 2**20)
 
 
 #: Below this, ranks that merely start a little apart (one still building its model) are taken for lost.

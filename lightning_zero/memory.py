@@ -16,14 +16,18 @@ from torch.optim import Optimizer
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    """Bytes of one rank's model states by kind (wherever they live), and how many of them live on the host and
-    on disk rather than on the training device."""
+    """Bytes of one rank's model states by kind (wherever they live), how many of them live on the host and on disk
+    rather than on the training device, and the buffers kept between uses to move them (bucket pools, offload's
+    staging and I/O buffers), which are not model state but are held all the same (``buffers``, of which
+    ``buffers_host`` on the host)."""
 
     params: int
     grads: int
     optimizer: int
     host: int = 0
     disk: int = 0
+    buffers: int = 0
+    buffers_host: int = 0
 
     @property
     def total(self) -> int:
@@ -34,6 +38,11 @@ class ModelStateBytes:
         """Bytes on the training device (the CPU itself in a CPU run, where placement is still accounted)."""
         return self.total - self.host - self.disk
 
+    @property
+    def held(self) -> int:
+        """Everything counted: the model states and the kept buffers."""
+        return self.total + self.buffers
+
 
 def model_state_bytes(
     module: nn.Module,
@@ -43,13 +52,16 @@ def model_state_bytes(
     extra_optimizer: Iterable[torch.Tensor] = (),
     host: Iterable[torch.Tensor] = (),
     disk: Iterable[torch.Tensor] = (),
+    buffers: Iterable[torch.Tensor] = (),
+    host_buffers: Iterable[torch.Tensor] = (),
 ) -> ModelStateBytes:
     """Bytes of the parameters of ``module``, their gradients and the ``optimizers``' states.
 
     The ``extra_*`` tensors are model state held outside the module and the optimizers' ``state`` (a sharding
     strategy's standalone parameter shards, gradient shard storage, fp32 master copies, which count as optimizer
     state as in the ZeRO paper's accounting). ``host`` and ``disk`` name the counted tensors that live on the host
-    and in files (offload).
+    and in files (offload); ``buffers`` and ``host_buffers`` are the kept buffers on the training device and on the
+    host, counted apart.
     """
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     params = list(module.parameters()) + list(extra_params)
@@ -58,8 +70,10 @@ def model_state_bytes(
     seen: set[tuple[torch.device, int]] = set()
     optimizer = _storage_bytes(states, seen)  # first: a stage-3 parameter between uses holds its fp32 master
     params_bytes, grads_bytes = _storage_bytes(params, seen), _storage_bytes(grads, seen)
+    host_buffers_bytes = _storage_bytes(host_buffers, set())
     return ModelStateBytes(
-        params_bytes, grads_bytes, optimizer, host=_storage_bytes(host, set()), disk=_storage_bytes(disk, set())
+        params_bytes, grads_bytes, optimizer, host=_storage_bytes(host, set()), disk=_storage_bytes(disk, set()),
+        buffers=_storage_bytes(buffers, set()) + host_buffers_bytes, buffers_host=host_buffers_bytes,
     )
 
 

@@ -157,6 +157,7 @@ class ZeroMonitor(pl.Callback):
             "zero/device_bytes": held.device,
             "zero/host_bytes": held.host,
             "zero/disk_bytes": held.disk,
+            "zero/buffer_bytes": held.buffers,
             f"zero/{self._unit.replace('/', '_per_')}": step.items * world_size / step.seconds,
         }
         if step.comm_bytes is not None:

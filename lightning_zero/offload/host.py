@@ -178,8 +178,8 @@ class HostOffload:
                     shard.working.copy_(rows, non_blocking=True)
                 shard.mark_written()
 
-    def host_tensors(self) -> list[Tensor]:
-        """Transient host buffers of the pipeline (gradient staging), for memory accounting."""
+    def host_buffers(self) -> list[Tensor]:
+        """The pipeline's kept host buffers (gradient and row staging), for memory accounting."""
         return [*self._grad_staging.values(), *self._row_staging.values()]
 
 

@@ -148,16 +148,26 @@ class InFlight:
 
 class BufferPool:
     """Bucket buffers kept between collectives: a collective takes one of at least the size it needs and gives it
-    back once its result is consumed, so the next one allocates nothing. Up to ``limit`` free buffers per dtype are
-    kept, one per collective that may hold one at once (stages 1 and 2: ``MAX_IN_FLIGHT``; stage 3 also the unit
-    gathers in flight), each sized by the buckets that used it. Stage 3 keeps them across steps; stages 1 and 2 keep
-    them from the backward's reductions to the gathers after the update and ``clear`` them once those complete, so
-    that the next forward's activations can use that memory (see [Note: the parameter all-gather overlaps the next
-    forward])."""
+    back once its result is consumed, so the next one allocates nothing.
 
-    def __init__(self, device: torch.device, limit: int = MAX_IN_FLIGHT) -> None:
+    [Note: what the buffer pools keep, and where]
+    A pool pays only on a host, where every buffer freed and allocated again costs page faults (measured in
+    BENCHMARKS.md); on CUDA the caching allocator already reuses freed blocks, so a pool there keeps nothing. Free
+    buffers are kept while there are at most ``limit`` of them per dtype and, with ``max_bytes``, while they hold at
+    most that many bytes in all; a buffer that would pass either bound goes back to the allocator. Stages 1 and 2
+    keep one per reduction that may be pending (``MAX_IN_FLIGHT``) from the backward's reductions to the gathers
+    after the update, and ``clear`` them once those complete, so that the next forward's activations can use that
+    memory (see [Note: the parameter all-gather overlaps the next forward]). Stage 3 keeps them across units and
+    steps, bounded by ``buffer_pool_mb`` (default: twice the largest unit's buffer; the root unit, gathered once a
+    step, is not counted, so a large tied embedding is not kept twice), and ``model_state_bytes`` counts what it
+    keeps (``buffers``).
+    """
+
+    def __init__(self, device: torch.device, limit: int = MAX_IN_FLIGHT, max_bytes: int | None = None) -> None:
         self.device = device
-        self.limit = limit
+        pays = device.type != "cuda"
+        self.limit = limit if pays else 0
+        self.max_bytes = max_bytes
         self._free: dict[torch.dtype, list[Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
@@ -173,10 +183,11 @@ class BufferPool:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, buffer: Tensor) -> None:
-        """Return a buffer from ``take`` (its whole storage is reused)."""
+        """Return a buffer from ``take`` (its whole storage is reused), unless keeping it would pass a bound."""
         whole = torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(buffer.untyped_storage())
         free = self._free.setdefault(buffer.dtype, [])
-        if len(free) < self.limit:
+        fits = self.max_bytes is None or self.nbytes() + whole.untyped_storage().nbytes() <= self.max_bytes
+        if len(free) < self.limit and fits:
             free.append(whole)
 
     def clear(self) -> None:
@@ -185,6 +196,9 @@ class BufferPool:
 
     def buffers(self) -> list[Tensor]:
         return [b for free in self._free.values() for b in free]
+
+    def nbytes(self) -> int:
+        return sum(b.untyped_storage().nbytes() for b in self.buffers())
 
 
 class Collectives:

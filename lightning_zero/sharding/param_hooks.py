@@ -79,14 +79,17 @@ class ShardedParams:
         self.comm = comm
         self.config = config
         self.grad_shards = GradShards(comms.world_size, keep_full_grads=False)
-        # Rank-major buffers of unit gathers and reductions, kept across units and steps: on a host without a caching
-        # allocator, buffers freed and allocated again every unit cost page faults (measured in BENCHMARKS.md). Enough
-        # for the gathers (the unit running and ``prefetch`` ahead) and the reductions in flight at once.
-        self.pool = BufferPool(comms.device, limit=config.prefetch + 1 + MAX_IN_FLIGHT)
-        for unit in self.all_units:
-            unit.pool = self.pool
         self._reduce_order = self.units[::-1] + [root]
         self._reduce_buckets: dict[tuple[Unit, tuple[bool, ...]], list[Bucket]] = {}
+        # Rank-major buffers of unit gathers and reductions, kept across units and steps up to a bound (see [Note:
+        # what the buffer pools keep, and where]): one per gather (the unit running and ``prefetch`` ahead) and
+        # reduction in flight at once, in at most ``buffer_pool_mb``.
+        bound = config.buffer_pool_bytes
+        if bound is None:
+            bound = 2 * max((self._largest_buffer(u) for u in self.units), default=0)
+        self.pool = BufferPool(comms.device, limit=config.prefetch + 1 + MAX_IN_FLIGHT, max_bytes=bound)
+        for unit in self.all_units:
+            unit.pool = self.pool
         self._done: set[Unit] = set()
         self._next_reduce = 0
         self._in_flight = InFlight()
@@ -193,6 +196,11 @@ class ShardedParams:
             if grad is not None or not self.comm.find_unused_parameters:
                 self.grad_shards.store(shard, rows)
         self.pool.give(buffer)  # the rows were copied out
+
+    def _largest_buffer(self, unit: Unit) -> int:
+        """Bytes of the largest rank-major buffer ``unit`` gathers or reduces through."""
+        buckets = unit.gather_buckets + self._buckets_to_reduce(unit)
+        return max((b.full_numel * b.dtype.itemsize for b in buckets), default=0)
 
     def _buckets_to_reduce(self, unit: Unit) -> list[Bucket]:
         key = (unit, tuple(s.trainable for s in unit.shards))
@@ -325,6 +333,10 @@ class ShardedParams:
 
     def grad_buffers(self) -> list[Tensor]:
         return self.grad_shards.buffers()
+
+    def kept_buffers(self) -> list[Tensor]:
+        """The free gather and reduction buffers the pool keeps (see [Note: what the buffer pools keep, and where])."""
+        return self.pool.buffers()
 
     def remove(self) -> None:
         for hook in self._hooks:

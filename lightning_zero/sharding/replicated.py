@@ -187,6 +187,10 @@ class ReplicatedParams:
         self.wait()
         yield
 
+    def kept_buffers(self) -> list[Tensor]:
+        """The free bucket buffers the pool keeps (shared with the gradient reductions)."""
+        return self.pool.buffers()
+
     def remove(self) -> None:
         """Drop the hooks; gathers still in flight are left alone (after an error a peer may never answer)."""
         for hook in self._hooks:

@@ -285,7 +285,8 @@ class ZeroRuntime:
         on_disk = {t.untyped_storage().data_ptr() for t in disk}
         host = [t for t in host if t.untyped_storage().data_ptr() not in on_disk]
         return {"extra_params": locals_ + working, "extra_grads": self.gradients.grad_buffers(),
-                "extra_optimizer": masters, "host": host, "disk": disk}
+                "extra_optimizer": masters, "host": host, "disk": disk, "buffers": self.parameters.kept_buffers(),
+                "host_buffers": self.offload.host_buffers() if self.offload is not None else []}
 
     def refresh_full_parameters(self) -> None:
         """After the shards were loaded: offloaded masters are copied where the gathers read them; stages 1 and 2

@@ -60,6 +60,10 @@ class SingleRank:
     def no_sync(self) -> Iterator[None]:
         yield
 
+    def kept_buffers(self) -> list[Tensor]:
+        """No buffers: nothing is moved."""
+        return []
+
     def grad_buffers(self) -> list[Tensor]:
         return []
 

@@ -86,6 +86,10 @@ OPTION_VALUES: dict[str, Pair] = {
     "prefetch": (st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([1.5, 2.0, True, "2", None])),
     "reshard_after_forward": _flag(),
     "verify_unit_order": _flag(),
+    "buffer_pool_mb": (
+        st.none() | st.floats(min_value=0, max_value=1e12) | st.integers(0, 10**6),
+        st.floats(max_value=0, exclude_max=True) | st.sampled_from([INF, -INF, NAN, True, False, "25", [1]]),
+    ),
     "offload_optimizer": _one_of([None, "cpu", "disk"], ["gpu", "", "CPU", True, 1, {"a": 1}]),
     "offload_params": _one_of([None, "cpu", "disk"], ["gpu", "", "nvme", False, 0]),
     "offload_dir": (st.none() | PATHS, st.sampled_from(["", 5, True, ["/tmp"]])),
