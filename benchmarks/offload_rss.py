@@ -10,7 +10,7 @@ of what is measured, not hidden). The process's whole-life peak (``ru_maxrss``, 
 
 glibc's allocator matters: it raises its mmap threshold up to 32 MiB after the first large free, so later tensors of
 a few MiB come from its heap, which keeps their pages after they are freed, and RSS then counts memory no tensor
-holds. Disk offload returns what it frees to the system (``give_back_freed_memory``, after set-up and after the first
+holds. Disk offload returns what it frees to the system (``lightning_zero.memory.give_back_freed_memory``, after set-up and after the first
 step has moved the optimizer's states into files); ``--fixed-mmap-threshold`` runs both variants with the threshold
 fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_=65536``), where RSS is closer to what the tensors hold.
 

@@ -29,7 +29,9 @@ stage 2 in 16-bit: 2Ψ + 2Ψ/N on the device, 12Ψ/N on the host. Besides the st
 the working parameters stay on the device, one of the updated rows (w Ψ_t/N) (pinned on CUDA; a CPU run holds
 neither, its gradients being in host memory already: counted anyway, the estimate errs on the safe side); disk
 offload adds the sub-groups it keeps resident (``offload_resident_subgroups`` x ``offload_subgroup_mb`` of fp32
-masters, with their moments and parameter rows: 12 (+ w) bytes per 4 of master), at most everything it has on disk. ``recommend`` checks
+masters, with their moments and parameter rows: 12 (+ w) bytes per 4 of master), at most everything it has on disk.
+In a run whose training device is the host (CPU), disk offload of stage 2 or 3 also keeps the gradient shards in
+files (``host_run``), and reads them with their sub-group. ``recommend`` checks
 the device budget against the device bytes and buckets, the host budget against the host states and buffers, the disk
 budget against the files.
 """
@@ -253,9 +255,12 @@ def estimate(
     bucket_mb: float = 25.0,
     trainable_params: int | None = None,
     offload: config.OffloadConfig | None = None,
+    host_run: bool = False,
 ) -> MemoryEstimate:
     """Model-state bytes per rank for ``option`` (see [Note: what the memory model counts] and [Note: offload in the
-    memory model]); ``offload`` gives disk offload's sub-group settings (default: ``OffloadConfig()``'s)."""
+    memory model]); ``offload`` gives disk offload's sub-group settings (default: ``OffloadConfig()``'s);
+    ``host_run``: the training device is the host (a CPU run), where disk offload keeps the gradient shards in files
+    too."""
     _check_choice("option", option, OPTIONS)
     _check_choice("precision", precision, PRECISIONS)
     trainable = _check_counts(num_params, ranks, trainable_params)
@@ -269,14 +274,17 @@ def estimate(
     grad_elements = _elements_per_rank(trainable, ranks, layout.stage >= 2)
     optim_elements = _elements_per_rank(trainable, ranks, layout.stage >= 1)
     params, optimizer = param_b * param_elements, optim_b * optim_elements
+    grads = grad_b * grad_elements
     placed = {"cpu": 0, "disk": 0, None: 0}
     placed[layout.offload_optimizer] += optimizer
     placed[layout.offload_params] += params
+    if host_run and layout.offload_optimizer == "disk" and layout.stage >= 2:
+        placed["disk"] += grads  # gradient shards in files, read back with their sub-group
     return MemoryEstimate(
         option=option,
         ranks=ranks,
         params=params,
-        grads=grad_b * grad_elements,
+        grads=grads,
         optimizer=optimizer,
         buckets=0 if option == "ddp" else min(int(bucket_mb * 2**20), param_b * num_params),
         host=placed["cpu"],

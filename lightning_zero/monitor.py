@@ -222,7 +222,8 @@ def _summarize(
     if option in estimate.LAYOUTS and precision in estimate.PRECISIONS:
         config = getattr(trainer.strategy, "config", None)
         bucket_mb = config.comm.bucket_mb if option.startswith("zero") else 0.0
-        e = estimate.estimate(option, num_params, n, precision, bucket_mb, trainable, getattr(config, "offload", None))
+        e = estimate.estimate(option, num_params, n, precision, bucket_mb, trainable, getattr(config, "offload", None),
+                              host_run=trainer.strategy.root_device.type == "cpu")
         model, bucket_bytes = (e.params, e.grads, e.optimizer), e.buckets
         placement = (e.device - e.buckets, e.host, e.disk)  # model states only, as measured
     ddp = estimate.estimate("ddp", num_params, n, _DDP_PRECISION, 0.0, trainable)

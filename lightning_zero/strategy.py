@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -32,7 +33,8 @@ from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, check_launch_settings, option_defaults
 from lightning_zero.host_math import settle_mkl_dispatch
 from lightning_zero.lightning_compat import apply_activation_checkpointing, install_summary, refuse_unsupported
-from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.memory import ModelStateBytes, give_back_freed_memory, model_state_bytes
+from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
 from lightning_zero.replicas import check_replicas
 from lightning_zero.sharding.collectives import Collectives, CommStats
@@ -177,9 +179,14 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         self.model_to_device()
         sync_module_states(self.model, comms)
         previous = self._runtime
+        offload = None
+        if self.config.offload.offload_optimizer:
+            offload = partial(make_offload, config=self.config, comms=comms, host_ranks=self.num_processes)
         self._runtime = ZeroRuntime(
-            self.model, self.config, comms, self.precision_plugin.working_dtype, materialized, self.num_processes
+            self.model, self.config, comms, self.precision_plugin.working_dtype, materialized, offload
         )
+        del materialized  # the rows the shards were cut from: the shards own them now
+        give_back_freed_memory()
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:

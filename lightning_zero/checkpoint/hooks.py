@@ -50,8 +50,10 @@ class ShardedCheckpointHooks:
         if storage_options is not None:
             raise TypeError("ZeroStrategy writes torch.distributed.checkpoint directories; storage_options is not used")
         facts = {"stage": self.config.stage, "world_size": self.world_size, "precision": self.precision_plugin.precision}
+        self.runtime.check_offloaded_files()
         self.runtime.adopt_edits()
         save_sharded(filepath, checkpoint, self.runtime.module, self.runtime.shards, facts, self.runtime.comms)
+        self.runtime.release_offloaded_pages()
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from lightning_zero.sharding.flat_param import ShardSpec
 
@@ -85,11 +86,17 @@ def to_shape(shape: Iterable[int]) -> torch.Size:
 
 
 def shard_dtensor(local: Tensor, spec: ShardSpec, mesh: DeviceMesh) -> DTensor:
-    """This rank's rows of a tensor of ``spec.shape``, as the ``Shard(0)`` DTensor DCP stores and reshards."""
+    """This rank's rows of a tensor of ``spec.shape``, as the ``Shard(0)`` DTensor DCP stores and reshards.
+
+    The DTensor wraps ``local`` itself, wherever it lives, as FSDP2's offloaded shards do: ``DTensor.from_local``
+    would move it to the mesh's device, so that saving or loading an offloaded run would copy every fp32 master and
+    optimizer moment (12Ψ/N) to the GPU, the memory offload exists to spare, and a file-backed (disk offload) one
+    into memory. DCP reads and writes the local tensor where it is."""
     shape = to_shape(spec.shape)
     stride = torch.empty(shape, device="meta").stride()
     local = local.reshape(spec.local_rows, *shape[1:])
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    meta = TensorMeta(shape, stride, local.dtype)
+    return DTensor(local, DTensorSpec(mesh, (Shard(0),), tensor_meta=meta), requires_grad=False)
 
 
 def remove(path: str | os.PathLike) -> None:

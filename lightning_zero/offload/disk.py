@@ -2,31 +2,39 @@
 parameter shards live in files, and only the sub-groups being stepped are in memory.
 
 [Note: disk offload]
-Every offloaded tensor is a memory map of its own file (``MappedStore``) in a private directory (mode 0700, files
-0600) under ``offload_dir``, created when the strategy sets up and removed at teardown, after an error too. The files
-are preallocated (``posix_fallocate``), so a full disk is one clear error before training starts, never a failed
-write (a SIGBUS) in the middle of it. Because they are ordinary tensors, everything that reads or writes model state
-(the optimizer, checkpoints, ``load_state_dict``, consolidation) works on them unchanged, page by page; what disk
-offload adds is *when* pages are in memory. The step walks sub-groups of ``offload_subgroup_mb``: a background
-thread reads the next sub-groups' pages while the current one steps, and a stepped sub-group is written back and its
-pages released (``msync``, then ``MADV_DONTNEED`` and ``POSIX_FADV_DONTNEED``), so at most
-``offload_resident_subgroups`` sub-groups are resident. The optimizer's states, created in memory by its first
-step, move into files right after it. Parameter shards on disk (stage 3) are read ahead when their unit's all-gather
-is issued and released once it is packed.
+Every offloaded tensor is a file of a private directory (mode 0700, files 0600) under ``offload_dir``, created when
+the strategy sets up and removed at teardown, after an error too (files.py: [Note: one file per tensor, read and
+written through buffers]). Set-up writes each shard's file as soon as the shard exists and drops its pages, so it
+never holds more than one shard's host copy. The step walks sub-groups of ``offload_subgroup_mb`` of parameters
+through ``offload_resident_subgroups`` buffers (host arenas, staging.py): a background thread reads the next
+sub-groups' masters and states into their buffers (``pread``) while the current one steps in its own, and writes each
+stepped sub-group back (``pwrite``, ``fdatasync``, then its pages are dropped from the page cache) while the next
+ones step; the optimizer and ``ParamShard.local`` see the buffers for the duration of their sub-group's step, the
+files' mapped tensors otherwise. The optimizer's states, created in memory by its first step, move into files right
+after it, one sub-group at a time. Parameter shards on disk (stage 3) are read into a buffer of the largest unit's
+size when their unit's all-gather is issued, and written after each step with the sub-group that updated them. So
+the host memory of disk offload is its buffers, whatever the model's size, and the page cache holds none of its
+files between steps: a job under a hard memory limit that counts page cache (a cgroup) trains a model whose states
+do not fit in it. On a host (the training device is the CPU), the reduced gradient shards go to files too, written
+as each reduction completes and read back with their sub-group (``grad_storage``), as ZeRO-Infinity swaps gradients
+out with NVMe-offloaded optimizer states; and the end of fit keeps the full parameters in memory-mapped files
+(``full_parameter``). Disk offload also fixes glibc's mmap threshold (memory.py: [Note: glibc's heap and a memory
+limit]).
 
 [Note: disk faults]
 What can go wrong with the files once training runs, and what a rank does (tests/reliability/test_disk_faults.py):
 
 * The disk fills up, or the directory becomes unwritable: the files that exist were preallocated and stay writable
-  through their open descriptors and mappings, so nothing changes. Only the optimizer's states, created by its
-  first step, need new files: creating or reserving one fails as ``OffloadDiskError`` naming the file. A write-back
-  that fails anyway (``msync``: an I/O error, or a filesystem whose preallocation does not reserve, such as
+  through their open descriptors, so nothing changes. Only the optimizer's states, created by its first step, need
+  new files: creating or reserving one fails as ``OffloadDiskError`` naming the file. A write-back that fails anyway
+  (``pwrite`` or ``fdatasync``: an I/O error, or a filesystem whose preallocation does not reserve, such as
   copy-on-write ones) is an ``OffloadDiskError`` naming the file too.
-* The directory or files are deleted: an open, mapped file lives on until it is closed, so training goes on and the
-  space is freed at teardown.
-* A file is truncated: touching a mapped page past its end would kill the process with SIGBUS, so before its pages are
-  read (``prefetch``) each file's size is checked, and a short one is an ``OffloadDiskError`` naming it. A truncation
-  between that check and the step can still raise SIGBUS: the process dies, its peers' watchdogs name it.
+* The directory or files are deleted: an open file lives on until it is closed, so training goes on and the space is
+  freed at teardown.
+* A file is truncated: a read of it comes back short, which is an ``OffloadDiskError`` naming the file; before the
+  rare accesses through its mapping (checkpoints, the end of fit) each file's size is checked, as touching a mapped
+  page past the end would kill the process with SIGBUS. A truncation between that check and the access still can:
+  the process dies, its peers' watchdogs name it.
 
 Each error ends the fit on this rank; its peers fail naming it (watchdog.py); teardown removes the directory (made
 writable first, as it is ours) and a checkpoint saved before the error is untouched, as it lives elsewhere.
@@ -34,30 +42,27 @@ writable first, as it is ours) and a checkpoint saved before the error is untouc
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import mmap
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from lightning_zero.memory import give_back_freed_memory, return_large_blocks_at_once
+from lightning_zero.offload.files import FileStore, OffloadDiskError
 from lightning_zero.offload.host import HostOffload
+from lightning_zero.offload.staging import HostArena, Ticket, Transfers, plan_slots
 from lightning_zero.sharding.flat_param import ParamShard
+from lightning_zero.sharding.grad_hooks import ShardStorage
 from lightning_zero.sharding.optimizer import ShardedOptimizer
-from lightning_zero.watchdog import cancel_before_exit, run_before_exit
 
-_PAGE = mmap.PAGESIZE
-
-
-class OffloadDiskError(RuntimeError):
-    """The offload directory is missing, not writable or too small; the message names it."""
+__all__ = ["DiskOffload", "OffloadDiskError", "private_directory"]
 
 
 def private_directory(base: str | None, rank: int, needed_bytes: int, ranks_sharing: int = 1) -> Path:
@@ -81,117 +86,15 @@ def private_directory(base: str | None, rank: int, needed_bytes: int, ranks_shar
         raise OffloadDiskError(f"offload_dir={str(where)!r} is not writable: {err.strerror}") from None
 
 
-class MappedStore:
-    """Tensors backed by preallocated, memory-mapped files in one private directory (see [Note: disk offload])."""
+@dataclass
+class _Resident:
+    """One sub-group in its buffer: for each shard, the buffer views of its master, its file-backed optimizer state
+    entries, its gradient shard (kept in a file on a host) and (parameters on disk) its updated rows."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._maps: dict[int, tuple[mmap.mmap, int, Path]] = {}  # storage pointer -> (map, fd, file)
-        self._count = 0
-        run_before_exit(self._remove_directory)  # a rank the watchdog ends leaves no files behind either
-
-    def tensor_like(self, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """A new file-backed tensor holding a copy of ``tensor`` (cast to ``dtype``)."""
-        dtype = dtype or tensor.dtype
-        numel = tensor.numel()
-        if numel == 0:
-            return torch.empty(tensor.shape, dtype=dtype)
-        path = self.directory / f"t{self._count:06d}.bin"
-        self._count += 1
-        nbytes = numel * dtype.itemsize
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as err:
-            raise OffloadDiskError(f"cannot create {path} for disk offload: {err.strerror}") from None
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as err:
-            os.close(fd)
-            raise OffloadDiskError(f"cannot reserve {nbytes} bytes in {path}: {err.strerror}") from None
-        mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        out = torch.frombuffer(mapped, dtype=dtype, count=numel).view(tensor.shape)
-        out.copy_(tensor)
-        self._maps[out.untyped_storage().data_ptr()] = (mapped, fd, path)
-        return out
-
-    def holds(self, tensor: Tensor) -> bool:
-        return torch.is_tensor(tensor) and tensor.untyped_storage().data_ptr() in self._maps
-
-    def prefetch(self, tensors: list[Tensor]) -> None:
-        """Bring the pages of ``tensors`` into memory (runs in the read-ahead thread)."""
-        for tensor in tensors:
-            entry = self._maps.get(tensor.untyped_storage().data_ptr())
-            if entry is not None:
-                _check_size(*entry)
-                entry[0].madvise(mmap.MADV_WILLNEED)
-                flat = tensor.view(-1).view(torch.uint8) if tensor.dtype.itemsize == 1 else tensor.view(-1)
-                flat[:: max(1, _PAGE // tensor.dtype.itemsize)].sum()  # touch one element per page
-
-    def release(self, tensors: list[Tensor]) -> None:
-        """Write ``tensors``' pages back to their files and drop them from memory."""
-        for tensor in tensors:
-            entry = self._maps.get(tensor.untyped_storage().data_ptr())
-            if entry is not None:
-                mapped, fd, path = entry
-                try:
-                    mapped.flush()
-                except OSError as err:
-                    raise OffloadDiskError(f"cannot write disk offload state back to {path}: {err.strerror}") from None
-                mapped.madvise(mmap.MADV_DONTNEED)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-    def nbytes(self) -> int:
-        return sum(len(m) for m, _, _ in self._maps.values())
-
-    def close(self) -> None:
-        """Remove every file and the directory (the tensors must not be used afterwards)."""
-        for mapped, fd, _ in self._maps.values():
-            try:
-                mapped.close()
-            except BufferError:  # a tensor still exports the buffer: the mapping goes with the process
-                pass
-            os.close(fd)
-        self._maps.clear()
-        self._remove_directory()
-        cancel_before_exit(self._remove_directory)
-
-    def _remove_directory(self) -> None:
-        try:
-            os.chmod(self.directory, 0o700)  # ours: if someone made it read-only, its files could not be removed
-        except OSError:
-            pass
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def give_back_freed_memory() -> None:
-    """Return the heap pages freed by moving tensors into files to the system (glibc's ``malloc_trim``).
-
-    Tensors of a few MiB come from glibc's heap once its mmap threshold has grown (it does after the first large
-    free), and the heap keeps freed pages: without this, the host copies that set-up and the first step move into files
-    would stay resident, and disk offload would lower a rank's peak RSS by about nothing (benchmarks/offload_rss.py
-    measured 3% lower against 52% with it). A no-op where the C library has no ``malloc_trim``.
-    """
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
-
-
-def _check_size(mapped: mmap.mmap, fd: int, path: Path) -> None:
-    """A file shorter than its mapping would raise SIGBUS when touched (see [Note: disk faults])."""
-    size = os.fstat(fd).st_size
-    if size < len(mapped):
-        raise OffloadDiskError(
-            f"{path} was truncated to {size} bytes while disk offload uses it ({len(mapped)} bytes): something outside "
-            "this run changed the offload directory"
-        )
+    masters: dict[ParamShard, Tensor] = field(default_factory=dict)
+    states: dict[ParamShard, dict[str, tuple[Tensor, Tensor]]] = field(default_factory=dict)  # key -> (file, view)
+    grads: dict[ParamShard, Tensor] = field(default_factory=dict)
+    rows: dict[ParamShard, Tensor] = field(default_factory=dict)
 
 
 class DiskOffload(HostOffload):
@@ -199,107 +102,275 @@ class DiskOffload(HostOffload):
     files, stepped sub-group by sub-group (see [Note: disk offload] and [Note: one offloaded step])."""
 
     def __init__(
-        self, shards: list[ParamShard], stage: int, group_bytes: int, directory: Path, resident: int,
-        params_on_disk: bool = False,
+        self, shards: list[ParamShard], stage: int, group_bytes: int, transfers: Transfers, directory: Path,
+        resident: int, grad_dtype: torch.dtype | None = None, params_on_disk: bool = False,
     ) -> None:
-        self.store = MappedStore(directory)
+        return_large_blocks_at_once()  # see [Note: glibc's heap and a memory limit]
+        self.store = FileStore(directory)
         self.resident_groups = resident
         self.params_on_disk = params_on_disk
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero-disk-read")
-        self._ahead: dict[int, Future] = {}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero-disk-io")
+        self._reads: dict[int, Future] = {}
+        self._writes: list[Future] = []
         self._groups: list[list[ParamShard]] = []
         self._optimizer: torch.optim.Optimizer | None = None
+        #: During a step, one buffer per resident sub-group (sized for the largest); the unit rows' buffer.
+        self._slots: list[HostArena] = []
+        self._entries: list[list] = []
+        self._gather_arena: HostArena | None = None
+        self._gathered = Ticket.DONE
+        #: The end of fit's full parameters (``full_parameter``).
+        self._weights: FileStore | None = None
+        self._rows: dict[ParamShard, Tensor] = {}
+        self._grads: dict[ParamShard, Tensor] = {}
+        #: Gradient shards kept in files (a host run: see ``grad_storage``).
+        self._grad_files: list[Tensor] = []
+        #: The file of each per-element optimizer state entry, by (parameter, key).
+        self._state_files: dict[tuple[torch.nn.Parameter, str], Tensor] = {}
         self.shards = list(shards)
         try:
-            super().__init__(shards, stage, group_bytes, params_on_host=params_on_disk)
-            self.store.release([t for s in self.shards for t in self._files_of(s)])
+            super().__init__(shards, stage, group_bytes, transfers, grad_dtype)
         except BaseException:
             self.close()
             raise
         give_back_freed_memory()
 
-    def _move_to_host(self, shard: ParamShard, stage: int, params_on_host: bool) -> None:
-        """Into files, one shard at a time: the host copies of one shard at most exist at once."""
-        super()._move_to_host(shard, stage, params_on_host)
-        shard.local = self.store.tensor_like(shard.local)
-        if self.params_on_disk:
-            shard.working = self.store.tensor_like(shard.working)
-            if shard.sharded:
-                shard.to_sharded()
+    def _plan_staging(self, grad_dtype: torch.dtype | None) -> None:
+        super()._plan_staging(grad_dtype)
+        if self.params_on_disk and "updated rows" in self.arenas:  # the rows go to their files, not to a device
+            self.arenas.pop("updated rows").close()
+            self._updated_rows = {}
+
+    def _place(self, shard: ParamShard, stage: int) -> None:
+        """Into files, one shard at a time: at most one shard's host copy exists at once."""
+        master_dtype = torch.float32 if shard.dtype.is_floating_point else shard.dtype
+        if stage < 3:
+            shard.working = shard.spec.local_view(shard.param.detach())
+        elif self.params_on_disk:
+            shard.working = self.store.create(shard.local, shard.dtype)
+        else:
+            shard.working = shard.local.to(shard.dtype, copy=True)
+        shard.local = self.store.create(shard.local, master_dtype)
+        if shard.sharded:
+            shard.to_sharded()
 
     def _files_of(self, shard: ParamShard, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
         tensors = [shard.local] + ([shard.working] if self.params_on_disk else [])
         if optimizer is not None:
             tensors += [v for v in optimizer.state.get(shard.param, {}).values() if self.store.holds(v)]
-        return tensors
+        return [t for t in tensors if self.store.holds(t)]
 
     # ----------------------------------------------------------------------------------------------------- a step
 
     def _begin(self, sharded: ShardedOptimizer, groups: list[list[ParamShard]]) -> None:
+        """Plan every sub-group's reads, allocate the resident buffers for the largest, and start reading ahead.
+        What the backward freed goes back to the system first: the step's buffers are not carved from it; and the
+        gradient files' pages, which the global norm may have read through their mappings, are dropped."""
+        self._wait_writes()
+        self.store.drop(self._grad_files)
+        give_back_freed_memory()
         self._optimizer = sharded.optimizer
         self._groups = groups
-        self._ahead.clear()
+        self._entries = [self._entries_of(group) for group in groups]
+        nbytes = max((plan_slots([(t.shape, t.dtype) for *_, t in entries])[1] for entries in self._entries), default=0)
+        self._slots = [HostArena(f"disk sub-group buffer {i}", nbytes, pinned=False) for i in range(self.resident_groups)]
         for index in range(min(self.resident_groups - 1, len(groups))):
             self._read_ahead(index)
 
+    def _entries_of(self, group: list[ParamShard]) -> list[tuple[str, ParamShard, str | None, Tensor]]:
+        """What a sub-group's buffer holds, as (kind, shard, state key, file tensor): its masters, the optimizer
+        states already in files, the gradient shards in files (a host run), and room for the updated rows of
+        parameter shards on disk."""
+        entries = []
+        for shard in group:
+            entries.append(("master", shard, None, shard.local))
+            for key, value in self._optimizer.state.get(shard.param, {}).items():
+                if self.store.holds(value):
+                    entries.append(("state", shard, key, value))
+            if self.store.holds(shard.param.grad):
+                entries.append(("grad", shard, None, shard.param.grad))
+            if self.params_on_disk:
+                entries.append(("rows", shard, None, shard.working))
+        return entries
+
     def _read_ahead(self, index: int) -> None:
-        if index < len(self._groups) and index not in self._ahead:
-            tensors = [t for s in self._groups[index] for t in self._files_of(s, self._optimizer)]
-            self._ahead[index] = self._reader.submit(self.store.prefetch, tensors)
+        """Queue the read of sub-group ``index`` into buffer ``index % resident`` (after the write-back of the
+        sub-group that used that buffer before, queued earlier on the same thread)."""
+        if index >= len(self._groups) or index in self._reads:
+            return
+        entries = self._entries[index]
+        slots, _ = plan_slots([(t.shape, t.dtype) for *_, t in entries])
+        arena = self._slots[index % self.resident_groups]
+        self._reads[index] = self._io.submit(self._read, entries, [arena.view(slot) for slot in slots])
+
+    def _read(self, entries: list, views: list[Tensor]) -> _Resident:
+        resident = _Resident()
+        for (kind, shard, key, file), view in zip(entries, views):
+            if kind != "rows" and self.store.holds(file):  # rows are written, never read here; an empty shard has
+                self.store.read(file, view)                   # no file
+            if kind == "state":
+                resident.states.setdefault(shard, {})[key] = (file, view)
+            else:
+                getattr(resident, {"master": "masters", "grad": "grads", "rows": "rows"}[kind])[shard] = view
+        return resident
 
     @contextmanager
     def resident(self, index: int) -> Iterator[None]:
-        """Wait for group ``index``'s pages, read the next groups ahead; afterwards write it back and release it."""
+        """Sub-group ``index`` in its buffer while inside: masters and states swapped in; afterwards written back."""
         self._read_ahead(index)
-        self._ahead.pop(index).result()
+        resident = self._reads.pop(index).result()
         self._read_ahead(index + self.resident_groups - 1)
+        group = self._groups[index]
+        files = {shard: shard.local for shard in group}
+        for shard in group:
+            shard.local = resident.masters[shard]
+            for key, (_, view) in resident.states.get(shard, {}).items():
+                self._optimizer.state[shard.param][key] = view
+        self._rows, self._grads = resident.rows, resident.grads
         try:
             yield
         finally:
-            self._after_step(self._groups[index])
+            self._rows, self._grads = {}, {}
+            writes = [(files[s], resident.masters[s]) for s in group]
+            writes += [(shard.working, rows) for shard, rows in resident.rows.items()]
+            writes = [(file, view) for file, view in writes if self.store.holds(file)]
+            for shard in group:
+                shard.local = files[shard]
+                writes += self._states_to_files(shard, resident.states.get(shard, {}))
+            self._writes.append(self._io.submit(self._write_back, writes))
+
+    def _states_to_files(self, shard: ParamShard, swapped_in: dict[str, tuple[Tensor, Tensor]]) -> list:
+        """Point ``shard``'s per-element optimizer states back at their files; returns the (file, buffer) writes of
+        those stepped in a buffer. A state the step created (the first step), or a checkpoint load put in memory,
+        goes into its file now."""
+        writes = []
+        state = self._optimizer.state.get(shard.param, {})
+        for key, value in list(state.items()):
+            file, view = swapped_in.get(key, (None, None))
+            if value is view:
+                writes.append((file, value))
+                state[key] = file
+            elif torch.is_tensor(value) and value.dim() > 0 and value.numel() and not self.store.holds(value):
+                file = self._state_files.get((shard.param, key))
+                if file is None or file.shape != value.shape or file.dtype != value.dtype:
+                    file = self.store.create(value)
+                else:
+                    self.store.write(file, value.contiguous())
+                    self.store.drop([file])
+                state[key] = file
+            if self.store.holds(state[key]):
+                self._state_files[(shard.param, key)] = state[key]
+        return writes
+
+    def _write_back(self, writes: list[tuple[Tensor, Tensor]]) -> None:
+        for file, view in writes:
+            self.store.write(file, view)
+        self.store.drop([file for file, _ in writes])
+
+    def _end(self) -> None:
+        """Wait for the write-backs and free the sub-group buffers until the next step (on a host the backward's
+        gathers and reductions then use that memory)."""
+        self._wait_writes()
+        self._reads.clear()
+        for arena in self._slots:
+            arena.close()
+        self._slots, self._entries = [], []
+        give_back_freed_memory()  # the buffers, and the states a first step created in memory, now in files
+
+    def _wait_writes(self) -> None:
+        writes, self._writes = self._writes, []
+        for write in writes:
+            write.result()
+
+    def _host_grad(self, shard: ParamShard) -> Tensor:
+        """A gradient shard kept in a file was read into the sub-group's buffer with its master."""
+        grad = self._grads.get(shard)
+        return grad.float() if grad is not None else super()._host_grad(shard)
+
+    def grad_storage(self) -> ShardStorage | None:
+        """Gradient shards in files where they would otherwise take host memory: a run whose training device is the
+        host (on CUDA they stay on the device, which disk offload does not relieve)."""
+        return None if self.transfers.stages else _GradFiles(self)
+
+    def push(self, group) -> Ticket:
+        """Parameter shards on disk: the updated rows go into the sub-group's buffer, written back with it (outside
+        a step, after a checkpoint load, through the files' mappings)."""
+        if not self.params_on_disk:
+            return super().push(group)
+        for shard in group:
+            rows = self._rows.get(shard)
+            (rows if rows is not None else shard.working).copy_(shard.local)
+            shard.mark_written()
+        return Ticket.DONE
+
+    def refresh(self) -> None:
+        super().refresh()
+        self.release_pages()
+
+    def release_pages(self) -> None:
+        """Flush and drop the pages of every file (after a checkpoint read or wrote them through their mappings)."""
+        optimizers = [self._optimizer] if self._optimizer is not None else []
+        self.store.drop(self.disk_tensors(optimizers))
+        give_back_freed_memory()
+
+    def full_parameter(self, tensor: Tensor, device: torch.device) -> Tensor:
+        """With parameter shards on disk, the model does not fit in host memory, so the end of fit keeps each full
+        parameter in a file of its own, memory-mapped (pages come in as they are read), whose pages are dropped once
+        written: the module is whole, as under DDP, at the cost of no memory. The files are in a directory of their
+        own under ``offload_dir``, removed at teardown; their mappings keep the data until the tensors go."""
+        if not self.params_on_disk or device.type != "cpu":
+            return super().full_parameter(tensor, device)
+        if self._weights is None:  # a directory of its own: the training one may be gone (see [Note: disk faults])
+            base = self.store.directory.parent
+            try:
+                self._weights = FileStore(Path(tempfile.mkdtemp(prefix="lightning_zero-weights-", dir=base)))
+            except OSError as err:
+                raise OffloadDiskError(f"cannot keep the trained weights under offload_dir={str(base)!r}: "
+                                       f"{err.strerror}") from None
+        return self._weights.create(tensor)
+
+    def check_files(self) -> None:
+        """Before a rare access through the mappings: every file still has its size (else SIGBUS)."""
+        optimizers = [self._optimizer] if self._optimizer is not None else []
+        self.store.check(self.disk_tensors(optimizers))
 
     @contextmanager
-    def staged(self, shards: list[ParamShard]) -> Iterator[None]:
-        """Parameter shards on disk are paged in for their unit's all-gather and released once it is packed."""
+    def staged(self, shards: list[ParamShard]) -> Iterator[list[Tensor] | None]:
+        """Parameter shards on disk are read into the unit buffer for their unit's all-gather to pack; the buffer is
+        written again only after that pack's copy ran."""
         if not self.params_on_disk:
-            yield
+            with super().staged(shards) as sources:
+                yield sources
             return
-        working = [s.working for s in shards]
-        self.store.prefetch(working)
-        try:
-            yield
-        finally:
-            self.store.release(working)
+        self._gathered.wait()
+        slots, nbytes = plan_slots([(s.working.shape, s.working.dtype) for s in shards])
+        if self._gather_arena is None or self._gather_arena.nbytes < nbytes:
+            if self._gather_arena is not None:
+                self._gather_arena.close()
+            self._gather_arena = HostArena("disk unit rows", nbytes, pinned=self.transfers.pinned)
+        views = [self._gather_arena.view(slot) for slot in slots]
+        for shard, view in zip(shards, views):
+            if self.store.holds(shard.working):
+                self.store.read(shard.working, view)
+            else:  # an empty shard (more ranks than rows) has no file
+                view.copy_(shard.working)
+        yield views
+        self._gathered = self.transfers.record()
 
-    def _after_step(self, group: list[ParamShard]) -> None:
-        """Move states the optimizer just created into files, then write the sub-group back and release it."""
-        moved = False
-        with torch.no_grad():
-            for shard in group:
-                state = self._optimizer.state.get(shard.param, {})
-                for key, value in state.items():
-                    if torch.is_tensor(value) and value.dim() > 0 and not self.store.holds(value):
-                        state[key] = self.store.tensor_like(value)
-                        moved = True
-        self.store.release([t for s in group for t in self._files_of(s, self._optimizer)])
-        if moved:
-            give_back_freed_memory()
-
-    def push(self, group: list[ParamShard]) -> None:
-        super().push(group)
-        if self.params_on_disk:
-            self.store.release([s.working for s in group])
+    def host_buffers(self) -> list[Tensor]:
+        arenas = [a for a in (*self._slots, self._gather_arena) if a is not None]
+        return super().host_buffers() + [a.storage() for a in arenas]
 
     def disk_tensors(self, optimizers: list[torch.optim.Optimizer]) -> list[Tensor]:
         """Every file-backed tensor (placement accounting: these bytes are on disk)."""
         states = [v for o in optimizers for st in o.state.values() for v in st.values() if self.store.holds(v)]
-        return [t for s in self.shards for t in self._files_of(s)] + states
+        return [t for s in self.shards for t in self._files_of(s)] + states + self._grad_files
 
     def close(self, optimizers: tuple[torch.optim.Optimizer, ...] = ()) -> None:
         """Remove the files. The masters become views of the full parameters if the module holds them (end of fit),
         else empty; optimizer states kept in the files are dropped (checkpoints that need them are saved during
         fit)."""
-        self._reader.shutdown(wait=True)
+        self._io.shutdown(wait=True)
         for optimizer in optimizers:
             for param in [p for p, st in optimizer.state.items() if any(self.store.holds(v) for v in st.values())]:
                 del optimizer.state[param]
@@ -309,3 +380,36 @@ class DiskOffload(HostOffload):
             if self.params_on_disk:
                 shard.working = None
         self.store.close()
+        if self._weights is not None:
+            self._weights.close()
+        for arena in (*self._slots, self._gather_arena):
+            if arena is not None:
+                arena.close()
+        if hasattr(self, "arenas"):
+            super().close()
+
+
+class _GradFiles(ShardStorage):
+    """Gradient shards in files of the offload's store: each reduction's rows are written (or added to what the file
+    holds, under gradient accumulation) with ``pwrite``, and the file is flushed and dropped from the page cache on
+    the I/O thread, so that the gradients of a backward never accumulate in memory."""
+
+    def __init__(self, offload: DiskOffload) -> None:
+        self.offload = offload
+
+    def make(self, shard: ParamShard, like: Tensor) -> Tensor:
+        file = self.offload.store.reserve(like.shape, like.dtype)
+        if self.offload.store.holds(file):
+            self.offload._grad_files.append(file)
+        return file
+
+    def put(self, destination: Tensor, rows: Tensor, accumulate: bool) -> None:
+        store = self.offload.store
+        if not store.holds(destination):  # an empty shard
+            return
+        if accumulate:
+            held = torch.empty_like(rows)
+            store.read(destination, held)
+            rows = held.add_(rows)
+        store.write(destination, rows.contiguous())
+        self.offload._writes.append(self.offload._io.submit(store.drop, [destination]))

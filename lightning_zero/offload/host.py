@@ -6,22 +6,27 @@ Between steps the device holds what compute needs: the working parameters (stage
 rows, ``ParamShard.working``, or none with ``offload_params``) and the reduced gradient shards; the host holds the
 fp32 masters (``ParamShard.local``) and, created there by the optimizer itself, its states: for Adam in mixed
 precision 2Ψ + 2Ψ/N on the device and 12Ψ/N on the host (fp32: 4Ψ + 4Ψ/N and 12Ψ/N). At the step, after the global
-norm and the clip factor are agreed on the device as without offload:
+norm and the clip factor are agreed on the device as without offload, the shards are walked in groups (``bucket_mb``
+of parameters; with disk offload, the sub-groups whose states are read back first):
 
-1. every gradient shard is copied to a pinned host buffer at once, on a side stream (CUDA), in its own dtype;
-2. group by group (``bucket_mb`` of parameters; with disk offload, a sub-group whose states are read back first),
-   the host waits for that group's copy, makes fp32 gradients (times the clip factor), runs the user's optimizer on
-   that group alone, and casts the updated masters to the working dtype into pinned buffers, whose copy to the
-   device starts at once on the side stream: the copies of later groups overlap the host step of earlier ones;
-3. the training stream waits for the last copy, then stages 1-2 all-gather the updated rows as usual.
+1. each group's gradient shards are copied to a host arena on the side stream, one ticket per group (all issued at
+   once; they complete in order);
+2. group by group, the host waits for *that group's* ticket, makes fp32 gradients (times the clip factor), runs the
+   user's optimizer on that group alone, and writes the updated masters, cast to the working dtype, where the gathers
+   read them: through a host arena and a copy on the side stream to the device, or straight into the host rows
+   (``offload_params``). So the copies of later groups overlap the host step of earlier ones;
+3. the compute stream waits on the tickets of the rows copied to the device, then stages 1-2 all-gather the updated
+   rows as usual. After a checkpoint is loaded into the masters (``refresh``) the same push runs for every shard.
+
+Every copy goes through ``Transfers`` and every buffer through a ``HostArena`` (staging.py: [Note: copies between
+host and device], [Note: host arenas]). Without a CUDA device the code is the same with plain (synchronous) copies,
+and no arena: the gradient shards already live in host memory, so each group makes its fp32 gradients straight from
+them, and the updated rows are cast straight into the working shards; a CPU run holds no staging copy of either
+(measured in benchmarks/offload_rss.py: wΨ/N less peak RSS).
 
 The optimizer runs torch's fused CPU kernel when its class has one (Adam, AdamW, SGD, Adagrad) and the user did not
 ask for another implementation: measured on one H200 machine's 16 host cores for 1.3B parameters, fused AdamW takes
 231 ms, foreach 1,093 ms (shared/gpu/README.md); on this project's 2 cores, 112 ms against 724 ms for 32M.
-Without a CUDA device everything above is the same code with plain (synchronous) copies: the pipeline, the
-placement and the numbers are what a GPU run gets, only the transfers are free; and step 1 stages nothing, as the
-gradient shards already live in host memory: each group makes its fp32 gradients straight from them, so a CPU run
-does not hold a second copy of every gradient shard (measured in benchmarks/offload_rss.py: wΨ/N less peak RSS).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.offload.staging import HostArena, Slot, Ticket, Transfers, plan_slots
 from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.optimizer import ShardedOptimizer
 
@@ -43,37 +49,60 @@ _FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
 class HostOffload:
     """Keeps ``shards``' masters in host memory and runs the step there (see [Note: one offloaded step]).
 
-    ``stage``: stages 1-2 write the updated rows into the full parameter's own rows (then all-gathered); stage 3
-    into a device-side working shard, or, with ``params_on_host``, a pinned host one the unit gathers read.
+    ``stage``: stages 1-2 write the updated rows into the full parameter's own rows (then all-gathered); stage 3 into
+    a device-side working shard, or, with ``params_on_host``, a host one (in an arena) the unit gathers read.
+    ``grad_dtype``: the dtype of the reduced gradient shards (the reduction's).
     """
 
-    def __init__(self, shards: Sequence[ParamShard], stage: int, group_bytes: int, params_on_host: bool = False):
+    def __init__(self, shards: Sequence[ParamShard], stage: int, group_bytes: int, transfers: Transfers,
+                 grad_dtype: torch.dtype | None = None, params_on_host: bool = False) -> None:
         self.shards = list(shards)
         self.group_bytes = group_bytes
-        device = self.shards[0].device if self.shards else torch.device("cpu")
-        self.pinned = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.pinned else None
-        self._grad_staging: dict[ParamShard, Tensor] = {}
-        self._row_staging: dict[ParamShard, Tensor] = {}
+        self.transfers = transfers
+        self.params_on_host = params_on_host
+        #: Host arenas of the pipeline, by purpose (none without a CUDA device: nothing is staged).
+        self.arenas: dict[str, HostArena] = {}
+        self._grad_rows: dict[ParamShard, Tensor] = {}
+        self._updated_rows: dict[ParamShard, Tensor] = {}
+        #: The last copy that read each shard's host rows (a gather's pack, a push): written again only after it.
+        self._last_read: dict[ParamShard, Ticket] = {}
+        self._plan_staging(grad_dtype)
         with torch.no_grad():
             for shard in self.shards:
-                self._move_to_host(shard, stage, params_on_host)
+                self._place(shard, stage)
 
-    def _move_to_host(self, shard: ParamShard, stage: int, params_on_host: bool) -> None:
-        master = self._host_empty(shard.spec.local_shape, torch.float32 if shard.dtype.is_floating_point else shard.dtype)
+    def _plan_staging(self, grad_dtype: torch.dtype | None) -> None:
+        """One arena per purpose, sized from the shards (see [Note: host arenas]); only where copies cross to a
+        device."""
+        if not self.transfers.stages:
+            return
+        floating = [s for s in self.shards if s.spec.local_numel]
+
+        def arena(purpose: str, dtype_of) -> dict[ParamShard, Tensor]:
+            slots, nbytes = plan_slots([(s.spec.local_shape, dtype_of(s)) for s in floating])
+            self.arenas[purpose] = HostArena(purpose, nbytes, pinned=self.transfers.pinned)
+            return {s: self.arenas[purpose].view(slot) for s, slot in zip(floating, slots)}
+
+        self._grad_rows = arena("gradient shards", lambda s: grad_dtype if s.dtype.is_floating_point and grad_dtype
+                                else s.dtype)
+        self._updated_rows = arena("parameter shards" if self.params_on_host else "updated rows", lambda s: s.dtype)
+
+    def _place(self, shard: ParamShard, stage: int) -> None:
+        master = torch.empty(shard.spec.local_shape, dtype=torch.float32 if shard.dtype.is_floating_point else
+                             shard.dtype)
         master.copy_(shard.local)
         if stage < 3:
             shard.working = shard.spec.local_view(shard.param.detach())
-        elif params_on_host:
-            shard.working = self._host_empty(shard.spec.local_shape, shard.dtype).copy_(shard.local)
+        elif self.params_on_host:
+            shard.working = self._updated_rows.get(shard)
+            if shard.working is None:  # no CUDA device: the host rows need no page-locking
+                shard.working = torch.empty(shard.spec.local_shape, dtype=shard.dtype)
+            shard.working.copy_(shard.local)
         else:
             shard.working = shard.local.to(shard.dtype, copy=True)
         shard.local = master
         if shard.sharded:
             shard.to_sharded()  # stage 3: the parameter now holds the working shard
-
-    def _host_empty(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pinned)
 
     @staticmethod
     def use_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
@@ -92,13 +121,14 @@ class HostOffload:
         **kwargs: Any,
     ) -> Any:
         """Steps 1-3 of [Note: one offloaded step] for the shards of ``sharded`` that have a reduced gradient."""
-        arrived = self._fetch_grads(stepped)
-        output = None
         groups = list(self.groups(stepped))
+        arrivals = [self._fetch_grads(group) for group in groups]
         self._begin(sharded, groups)
+        output = None
+        pushed = []
         for index, group in enumerate(groups):
             with self.resident(index):
-                arrived.wait()
+                arrivals[index].wait()
                 grads = [self._host_grad(s) for s in group]
                 if factor != 1.0:
                     torch._foreach_mul_(grads, factor)
@@ -106,9 +136,9 @@ class HostOffload:
                     torch._foreach_clamp_min_(grads, -clip_value)
                     torch._foreach_clamp_max_(grads, clip_value)
                 output = sharded.update(list(zip(group, grads)), only=group, **kwargs)
-                self.push(group)
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+                pushed.append(self.push(group))
+        self._end()
+        self.transfers.wait_on_compute(pushed)
         return output
 
     def groups(self, shards: list[ParamShard]) -> Iterator[list[ParamShard]]:
@@ -132,71 +162,82 @@ class HostOffload:
         """Group ``index``'s masters and optimizer states are in host memory while inside (always, here)."""
         yield
 
-    @contextmanager
-    def staged(self, shards: list[ParamShard]) -> Iterator[None]:
-        """While a unit's all-gather packs ``shards``' working rows (host memory: nothing to do)."""
-        yield
+    def _end(self) -> None:
+        """After the last group (disk offload waits for the write-backs)."""
 
-    def close(self, optimizers: tuple[torch.optim.Optimizer, ...] = ()) -> None:
-        """Nothing to remove."""
-
-    def _fetch_grads(self, shards: list[ParamShard]) -> _Arrival:
-        """Start copying every gradient shard to a pinned host buffer (step 1; without CUDA, nothing to copy)."""
-        if self.stream is None:
-            return _Arrival(None)
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            for shard in shards:
-                grad = shard.param.grad
-                self._staging(self._grad_staging, shard, grad.dtype).copy_(grad, non_blocking=True)
-        return _Arrival(self.stream)
+    def _fetch_grads(self, group: list[ParamShard]) -> Ticket:
+        """Start copying ``group``'s gradient shards to the host (step 1; without CUDA, nothing to copy)."""
+        if not self._grad_rows:
+            return Ticket.DONE
+        return self.transfers.copy([(self._grad_rows[s], s.param.grad.view(s.spec.local_shape)) for s in group])
 
     def _host_grad(self, shard: ParamShard) -> Tensor:
         """``shard``'s gradient in fp32 on the host, for the optimizer to consume (and the clip to scale in place):
-        from its staging buffer on CUDA; without CUDA a copy made from the gradient itself, one group at a time."""
-        if self.stream is not None:
-            return self._grad_staging[shard].float()
-        return shard.param.grad.to(torch.float32, copy=True)
+        from its arena rows on CUDA; without CUDA a copy made from the gradient itself, one group at a time."""
+        if self._grad_rows:
+            return self._grad_rows[shard].float()
+        return shard.param.grad.view(shard.spec.local_shape).to(torch.float32, copy=True)
 
-    def _staging(self, buffers: dict[ParamShard, Tensor], shard: ParamShard, dtype: torch.dtype) -> Tensor:
-        """A persistent (pinned, on CUDA) host buffer of ``shard``'s local shape."""
-        buffer = buffers.get(shard)
-        if buffer is None or buffer.dtype != dtype:
-            buffer = buffers[shard] = self._host_empty(shard.spec.local_shape, dtype)
-        return buffer
+    def push(self, group: Sequence[ParamShard]) -> Ticket:
+        """Write the masters of ``group``, cast to the working dtype, where the gathers read them (after each group's
+        update, and after a checkpoint was loaded into the masters); the ticket says when the device has them."""
+        pairs = []
+        for shard in group:
+            self._last_read.pop(shard, Ticket.DONE).wait()  # the host rows are written only once nothing reads them
+            rows = self._updated_rows.get(shard)
+            if rows is None or rows is shard.working:  # no device copy (no CUDA, or the host rows themselves)
+                shard.working.copy_(shard.local)
+            else:
+                rows.copy_(shard.local)
+                pairs.append((shard.working, rows))
+            shard.mark_written()
+        ticket = self.transfers.copy(pairs) if pairs else Ticket.DONE
+        for shard, _ in pairs:
+            self._last_read[shard] = ticket
+        return ticket
 
-    def push(self, group: list[ParamShard]) -> None:
-        """Cast the masters of ``group`` to the working dtype on the host and copy them where the gathers read them
-        (after each group's update, and after a checkpoint was loaded into the masters)."""
-        with torch.cuda.stream(self.stream) if self.stream is not None else _nothing():
-            for shard in group:
-                if shard.working.device.type == "cpu":  # offload_params: the host shard is the destination
-                    shard.working.copy_(shard.local)
-                else:
-                    rows = self._staging(self._row_staging, shard, shard.dtype)
-                    rows.copy_(shard.local)
-                    shard.working.copy_(rows, non_blocking=True)
-                shard.mark_written()
+    def refresh(self) -> None:
+        """The masters were loaded (a checkpoint, ``load_state_dict``): push every shard, and make the compute
+        stream wait for the rows before anything gathers them."""
+        self.transfers.wait_on_compute([self.push(group) for group in self.groups(self.shards)])
+
+    @contextmanager
+    def staged(self, shards: list[ParamShard]) -> Iterator[list[Tensor] | None]:
+        """Around packing ``shards`` for a unit's all-gather: the tensors to pack (``None``: each shard's
+        ``gather_source``). Host rows (``offload_params``) are copied to the device by the pack, on the compute
+        stream: they are not written again before that copy ran."""
+        yield None
+        if self.params_on_host:
+            ticket = self.transfers.record()
+            for shard in shards:
+                self._last_read[shard] = ticket
+
+    def grad_storage(self):
+        """Where gradient shards live: in memory (``None``), here."""
+        return None
+
+    def full_parameter(self, tensor: Tensor, device: torch.device) -> Tensor:
+        """Where the end of fit keeps a full parameter just gathered into ``tensor``: on ``device``."""
+        return tensor.to(device)
+
+    def check_files(self) -> None:
+        """Nothing is kept in files here."""
+
+    def release_pages(self) -> None:
+        """Nothing is kept in files here."""
+
+    def disk_tensors(self, optimizers: list[torch.optim.Optimizer]) -> list[Tensor]:
+        """Nothing is on disk here."""
+        return []
 
     def host_buffers(self) -> list[Tensor]:
-        """The pipeline's kept host buffers (gradient and row staging), for memory accounting."""
-        return [*self._grad_staging.values(), *self._row_staging.values()]
+        """The pipeline's kept host buffers (the arenas; the host rows of ``offload_params`` are model state and
+        counted as parameters), for memory accounting."""
+        return [a.storage() for purpose, a in self.arenas.items() if purpose != "parameter shards"]
 
-
-class _Arrival:
-    """Waits for the gradient copies of step 1 (a no-op without a CUDA stream)."""
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self._event = None
-        if stream is not None:
-            self._event = torch.cuda.Event()
-            self._event.record(stream)
-
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+    def close(self, optimizers: tuple[torch.optim.Optimizer, ...] = ()) -> None:
+        """Release the arenas (a CPU run has none), once no copy reads them."""
+        for shard in self.shards:
+            self._last_read.pop(shard, Ticket.DONE).wait()
+        for arena in self.arenas.values():
+            arena.close()

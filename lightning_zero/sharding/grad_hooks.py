@@ -69,6 +69,22 @@ class GradHooks:
         self._handles.clear()
 
 
+class ShardStorage:
+    """Where stages 2 and 3 keep each parameter's reduced gradient shard: a tensor per shard, in memory (this class)
+    or elsewhere (disk offload on a host keeps them in files: ``lightning_zero.offload.disk``)."""
+
+    def make(self, shard: ParamShard, like: Tensor) -> Tensor:
+        """A persistent tensor of ``like``'s shape and dtype for ``shard``'s gradient rows."""
+        return torch.empty_like(like)
+
+    def put(self, destination: Tensor, rows: Tensor, accumulate: bool) -> None:
+        """Write ``rows`` into ``destination``, or add them to what it holds."""
+        if accumulate:
+            destination.add_(rows)
+        else:
+            destination.copy_(rows)
+
+
 class GradShards:
     """The reduced gradient shards of a module between backward and step, with ``zero_grad``'s meaning.
 
@@ -89,9 +105,10 @@ class GradShards:
     ``param.grad`` kept past ``zero_grad`` sees the next step's gradient.
     """
 
-    def __init__(self, world_size: int, keep_full_grads: bool) -> None:
+    def __init__(self, world_size: int, keep_full_grads: bool, storage: ShardStorage | None = None) -> None:
         self.world_size = world_size
         self.keep_full_grads = keep_full_grads
+        self.storage = storage or ShardStorage()
         self._given: dict[ParamShard, Tensor] = {}
         self._held: dict[ParamShard, Tensor] = {}
         self._full: dict[ParamShard, Tensor] = {}
@@ -139,11 +156,8 @@ class GradShards:
         else:
             destination = self._storage.get(shard)
             if destination is None or destination.dtype != rows.dtype:
-                destination = self._storage[shard] = torch.empty_like(rows)
-            if shard in self._held:
-                destination.add_(rows)
-            else:
-                destination.copy_(rows)
+                destination = self._storage[shard] = self.storage.make(shard, rows)
+            self.storage.put(destination, rows, accumulate=shard in self._held)
         self._held.pop(shard, None)
         self._give(shard, destination)
 
@@ -172,12 +186,12 @@ class GradReducer:
     """
 
     def __init__(self, shards: Sequence[ParamShard], comms: Collectives, config: CommConfig, keep_full_grads: bool,
-                 pool: BufferPool | None = None):
+                 pool: BufferPool | None = None, storage: ShardStorage | None = None):
         self.comms = comms
         self.pool = pool or BufferPool(comms.device)
         self.config = config
         self.keep_full_grads = keep_full_grads
-        self.grad_shards = GradShards(comms.world_size, keep_full_grads)
+        self.grad_shards = GradShards(comms.world_size, keep_full_grads, storage)
         self._order = [s for s in reversed(shards) if s.param.is_floating_point()]
         self._plans: dict[tuple[bool, ...], list[Bucket]] = {}
         self._plan_key: tuple[bool, ...] | None = None

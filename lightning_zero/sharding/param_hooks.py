@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_zero.config import CommConfig, Stage3Config
 from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
-from lightning_zero.sharding.grad_hooks import GradHooks, GradShards, warn_unused
+from lightning_zero.sharding.grad_hooks import GradHooks, GradShards, ShardStorage, warn_unused
 from lightning_zero.sharding.unit_state import (
     UNBOUNDED,
     RankDivergenceError,
@@ -62,7 +62,8 @@ class ShardedParams:
     """Stage 3's addition to stages 1 and 2: units gathered around their forward and backward, reduced per unit
     (see [Note: the life of a unit in one training step])."""
 
-    def __init__(self, root: Unit, units: Sequence[Unit], comms: Collectives, comm: CommConfig, config: Stage3Config):
+    def __init__(self, root: Unit, units: Sequence[Unit], comms: Collectives, comm: CommConfig, config: Stage3Config,
+                 storage: ShardStorage | None = None):
         self.root = root
         self.units = list(units)
         self._announced = 0
@@ -78,7 +79,7 @@ class ShardedParams:
         self.comms = comms
         self.comm = comm
         self.config = config
-        self.grad_shards = GradShards(comms.world_size, keep_full_grads=False)
+        self.grad_shards = GradShards(comms.world_size, keep_full_grads=False, storage=storage)
         self._reduce_order = self.units[::-1] + [root]
         self._reduce_buckets: dict[tuple[Unit, tuple[bool, ...]], list[Bucket]] = {}
         # Rank-major buffers of unit gathers and reductions, kept across units and steps up to a bound (see [Note:

@@ -75,7 +75,7 @@ class ZeroRuntime:
 
     ``working_dtype`` (mixed precision) makes floating-point fp32 parameters 16-bit and their optimizer shards fp32
     masters (BatchNorm's stay fp32: ``F.batch_norm`` needs its weight in the running statistics' dtype).
-    ``host_ranks``: ranks on this machine (sharing its host memory and disk), for disk offload's space check.
+    ``offload`` makes the offload of the shards (``lightning_zero.offload.make_offload``), if the config offloads.
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class ZeroRuntime:
         comms: Collectives,
         working_dtype: torch.dtype | None = None,
         materialized: Materialized | None = None,
-        host_ranks: int = 1,
+        offload: Callable[[list[ParamShard]], Any] | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -96,7 +96,8 @@ class ZeroRuntime:
         self.shards, self.cast = make_shards(module, config.stage, comms, working_dtype, materialized or {},
                                              self.single_rank)
         self.shard_of = {s.param: s for s in self.shards}
-        self.offload = _make_offload(self.shards, config, comms, host_ranks) if config.offload.offload_optimizer else None
+        #: Where the masters and optimizer states live when offloaded (``lightning_zero.offload``), made from the shards.
+        self.offload = offload(self.shards) if offload is not None else None
         self._module_hooks = load_state_dict_hooks(module, self.shards, before_load=self.wait)
         self._evaluation_hold = ExitStack()
         if self.single_rank:
@@ -111,7 +112,8 @@ class ZeroRuntime:
         else:
             pool = BufferPool(comms.device)  # bucket buffers shared by the gradient and parameter pipelines
             self.parameters = ReplicatedParams(module, self.shards, comms, config.comm, pool)
-            self.gradients = GradReducer(self.shards, comms, config.comm, config.stage == 1, pool)
+            self.gradients = GradReducer(self.shards, comms, config.comm, config.stage == 1, pool,
+                                         self._grad_storage())
         self.scaling = StepScaling(comms, config.nonfinite_grads)
         self.optimizers: dict[int, ShardedOptimizer] = {}
         #: Whether ``release`` gave the module its full parameters back (end of fit).
@@ -135,7 +137,12 @@ class ZeroRuntime:
             return Unit(index, plan.name, plan.module, shards, self.comms)
 
         units = [unit(i + 1, p) for i, p in enumerate(plans)]
-        return ShardedParams(unit(0, root_plan), units, self.comms, self.config.comm, self.config.stage3)
+        return ShardedParams(unit(0, root_plan), units, self.comms, self.config.comm, self.config.stage3,
+                             self._grad_storage())
+
+    def _grad_storage(self):
+        """Where gradient shards live: in memory, or where the offload keeps them (disk offload on a host)."""
+        return self.offload.grad_storage() if self.offload is not None else None
 
     # ---------------------------------------------------------------------------------------------- optimizers
 
@@ -273,7 +280,7 @@ class ZeroRuntime:
         offloaded = self.offload is not None
         masters = [s.local for s in self.shards if offloaded or s.local.dtype != s.dtype]
         optimizers = [o.optimizer for o in self.optimizers.values()]
-        disk = self.offload.disk_tensors(optimizers) if hasattr(self.offload, "disk_tensors") else []
+        disk = self.offload.disk_tensors(optimizers) if offloaded else []
         locals_ = [s.gather_source for s in self.shards if not offloaded and s.local.dtype == s.dtype]
         working = [s.working for s in self.shards if offloaded and s.working is not None]
         host = list(masters) if offloaded else []
@@ -292,9 +299,21 @@ class ZeroRuntime:
         """After the shards were loaded: offloaded masters are copied where the gathers read them; stages 1 and 2
         rebuild the full parameters (stage 3 gathers on use, and again the units gathered now)."""
         if self.offload is not None:
-            self.offload.push(self.shards)
+            self.offload.refresh()
         self.wait()
         self.parameters.after_update(self.shards)
+
+    def check_offloaded_files(self) -> None:
+        """Before a checkpoint reads the offloaded states through their files' mappings: none was truncated (disk
+        offload: touching a mapped page past a file's end would kill the process; nothing to do otherwise)."""
+        if self.offload is not None:
+            self.offload.check_files()
+
+    def release_offloaded_pages(self) -> None:
+        """After a checkpoint read or wrote the offloaded states through their files' mappings: nothing of them
+        stays resident (disk offload; nothing to do otherwise)."""
+        if self.offload is not None:
+            self.offload.release_pages()
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
@@ -324,10 +343,12 @@ class ZeroRuntime:
     def release(self, device: torch.device, gather: bool = True) -> None:
         """End of fit: remove the hooks and give the module its full parameters on ``device``, in the optimizer's
         precision (the fp32 masters under mixed precision), gathered bucket by bucket; the optimizers keep their
-        shard-sized state. A later setup shards the module again from these values. ``gather=False`` (after an
-        error) only removes the hooks: no collective, stage 3's parameters stay empty."""
+        shard-sized state (with parameter shards on disk, the full parameters are memory-mapped files: see
+        ``DiskOffload.full_parameter``). A later setup shards the module again from these values. ``gather=False``
+        (after an error) only removes the hooks: no collective, stage 3's parameters stay empty."""
         self.released = True
         if gather:
+            self.check_offloaded_files()
             self.adopt_edits()
             self.end_evaluation()
         else:
@@ -350,41 +371,10 @@ class ZeroRuntime:
                 gathered = self.comms.all_gather(bucket, [s.local for s in bucket.shards]).wait()
                 bucket.unpack(gathered, [s.param for s in bucket.shards])
                 for shard in bucket.shards:
-                    shard.param.data = shard.param.data.to(device)
+                    keep = self.offload.full_parameter if self.offload is not None else Tensor.to
+                    shard.param.data = keep(shard.param.data, device)
         if self.offload is not None:
             self.offload.close(optimizers)
-
-
-def _make_offload(shards: list[ParamShard], config: ZeroConfig, comms: Collectives, host_ranks: int):
-    """The host or disk offload of ``config``; a disk that cannot hold the states fails on every rank at once."""
-    from lightning_zero.offload.disk import (
-        DiskOffload,
-        OffloadDiskError,
-        private_directory,
-    )
-    from lightning_zero.offload.host import HostOffload
-
-    offload = config.offload
-    if not offload.on_disk:
-        return HostOffload(shards, config.stage, config.comm.bucket_bytes, offload.offload_params == "cpu")
-    params_on_disk = offload.offload_params == "disk"
-    # fp32 masters and, as for Adam, two fp32 moments per element; the parameter shards too when they go to disk.
-    needed = sum(s.spec.local_numel * (12 + (s.dtype.itemsize if params_on_disk else 0)) for s in shards)
-    failure: OffloadDiskError | None = None
-    result = None
-    try:
-        directory = private_directory(offload.offload_dir, comms.rank, needed, host_ranks)
-        result = DiskOffload(shards, config.stage, offload.subgroup_bytes, directory,
-                             offload.offload_resident_subgroups, params_on_disk)
-    except OffloadDiskError as err:
-        failure = err
-    failed = torch.tensor([float(failure is not None)], device=comms.device)
-    comms.all_reduce_(failed, "the disk offload set-up flags", op="max")
-    if failed.item():
-        if result is not None:
-            result.close()
-        raise failure or OffloadDiskError("disk offload could not be set up on another rank (its error says why)")
-    return result
 
 
 def _check_fits(nbytes: int, device: torch.device, loop: str) -> None:

@@ -76,7 +76,8 @@ class Unit:
         self.shards = list(shards)
         self.comms = comms
         self.announce = announce
-        #: Context around packing the shards for a gather (disk offload pages parameter shards in and out).
+        #: Context around packing the shards for a gather, giving the tensors to pack (``None``: each shard's
+        #: ``gather_source``); offload reads parameter shards kept on disk into a buffer there.
         self.staged = _nothing
         #: Where the rank-major gather buffers come from and go back to once unpacked (``ShardedParams`` shares one
         #: across its units; this one keeps none, so each gather allocates afresh).
@@ -105,10 +106,12 @@ class Unit:
             return
         guard = self.announce("gather", self) if self.gather_buckets else None
         self._pending = []
-        with self.staged(self.shards):
+        with self.staged(self.shards) as sources:
+            source_of = dict(zip(self.shards, sources)) if sources is not None else None
             for bucket in self.gather_buckets:
                 buffer = self.pool.take(bucket.full_numel, bucket.dtype)
-                pending = self.comms.all_gather(bucket, buffer=buffer)
+                packed = [source_of[s] for s in bucket.shards] if source_of is not None else None
+                pending = self.comms.all_gather(bucket, packed, buffer=buffer)
                 pending.guard = guard
                 self._pending.append((bucket, pending, buffer))
         self.state = UnitState.GATHERING
@@ -181,4 +184,4 @@ class Unit:
 
 @contextmanager
 def _nothing(*_args: object) -> Iterator[None]:
-    yield
+    yield None

@@ -195,9 +195,10 @@ def _psi() -> int:
         (3, "cpu", lambda n: 4 / n, lambda n: 12 / n, lambda n: 0),
         # Stage 3 with the parameter shards on the host too: only the gradient shards stay.
         (3, "cpu+params", lambda n: 2 / n, lambda n: 14 / n, lambda n: 0),
-        # Disk: the 12Ψ/N go to files (Adam's 0-d step counters stay in host memory).
-        (2, "disk", lambda n: 2 + 2 / n, lambda n: 0, lambda n: 12 / n),
-        (3, "disk+params", lambda n: 2 / n, lambda n: 0, lambda n: 14 / n),
+        # Disk: the 12Ψ/N go to files (Adam's 0-d step counters stay in host memory), and so do the bf16 gradient
+        # shards, 2Ψ/N, as the training device here is the host (on CUDA they stay on the device).
+        (2, "disk", lambda n: 2, lambda n: 0, lambda n: 14 / n),
+        (3, "disk+params", lambda n: 0, lambda n: 0, lambda n: 16 / n),
     ],
     ids=["zero2-cpu", "zero3-cpu", "zero3-cpu-params", "zero2-disk", "zero3-disk-params"],
 )
@@ -207,7 +208,7 @@ def test_each_state_lives_where_zero_offload_puts_it(per_rank, stage, offload, d
     for rank in per_rank:
         held, fused = rank["placement", stage, offload]
         # Padding rows and Adam's per-parameter step counters (4 bytes each) are the only extra bytes.
-        assert held.device == pytest.approx(device_per_psi(n) * psi, rel=0.05)
+        assert held.device == pytest.approx(device_per_psi(n) * psi, rel=0.05, abs=200)
         assert held.host == pytest.approx(host_per_psi(n) * psi, rel=0.05, abs=200)
         assert held.disk == pytest.approx(disk_per_psi(n) * psi, rel=0.05)
         assert fused == [True]  # torch's fused CPU AdamW steps on the host

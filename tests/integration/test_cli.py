@@ -121,8 +121,8 @@ def test_auto_strategy_picks_the_least_complex_option_that_fits(tmp_path, capfd)
     [
         # fp32 on 2 ranks: ZeRO-Offload stage 2 keeps 4Ψ + 4Ψ/2 on the device and puts 12Ψ/2 on the host.
         ("zero2_offload", 6, 6, 0),
-        # Disk offload at stage 3: only the gradient shards (4Ψ/2) stay; 12Ψ/2 and the parameter shards 4Ψ/2 in files.
-        ("zero3_offload_disk", 2, 0, 8),
+        # Disk offload at stage 3 on CPU: everything in files, 12Ψ/2, the parameter shards 4Ψ/2 and the gradient shards 4Ψ/2.
+        ("zero3_offload_disk", 0, 0, 10),
     ],
 )
 def test_train_with_offload_reports_where_each_byte_lives(tmp_path, capfd, strategy, device, host, disk):

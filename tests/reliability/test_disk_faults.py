@@ -1,7 +1,7 @@
 """Disk faults under disk offload (zero3, optimizer states and parameter shards in files), 2 ranks, each fault in its
 own fork: the directory removed or made read-only mid-run, every file of one rank truncated (the SIGBUS case), the
-disk full when the first step moves the optimizer's states into files, a write-back that fails (ENOSPC from ``msync``,
-as on filesystems whose preallocation does not reserve), and an exception in the middle of fit. See [Note: disk faults]
+disk full when the first step moves the optimizer's states into files, a write-back that fails (ENOSPC from
+``fdatasync``, as on filesystems whose preallocation does not reserve), and an exception in the middle of fit. See [Note: disk faults]
 in lightning_zero/offload/disk.py for what each does and why.
 
 Each fault either leaves training unchanged (same parameters as an uninterrupted run) or ends it with an
@@ -17,7 +17,6 @@ the directory goes). A truncation between the size check and the step still kill
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import shutil
 import traceback
@@ -73,20 +72,22 @@ class _Fault(pl.Callback):
             for file in directory.iterdir():
                 os.truncate(file, 0)
         elif self.kind == "write-back":
-            _FailingMap.armed = True
+            _FailingSync.armed = True
         elif self.kind == "raise":
             raise RuntimeError(f"injected failure at step {FAULT_STEP}")
 
 
-class _FailingMap(mmap.mmap):
-    """A memory map whose ``flush`` (msync) fails with ENOSPC once armed."""
+class _FailingSync:
+    """``os.fdatasync`` that fails with ENOSPC once armed (the write-back of a filesystem whose preallocation did not
+    reserve the space)."""
 
     armed = False
+    real = staticmethod(os.fdatasync)
 
-    def flush(self, *args):
-        if _FailingMap.armed:
+    def __call__(self, fd: int) -> None:
+        if _FailingSync.armed:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return super().flush(*args)
+        _FailingSync.real(fd)
 
 
 def _full_at_first_step(rank: int) -> None:
@@ -108,7 +109,7 @@ def _fit(rank: int, world_size: int, root: Path, kind: str | None, ranks: tuple[
     """One fit of ``STEPS`` with a checkpoint every 2 steps; what it raised (type, text) and the parameters."""
     pl.seed_everything(5, verbose=False)
     (root / "offload").mkdir(exist_ok=True)
-    mmap.mmap = _FailingMap  # this forked rank only: a flush that can be made to fail
+    os.fdatasync = _FailingSync()  # this forked rank only: a write-back that can be made to fail
     recorder = Recorder()
     callbacks = [recorder, ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2, save_top_k=-1)]
     if kind == "full":

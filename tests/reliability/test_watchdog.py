@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_zero.offload.disk import MappedStore
+from lightning_zero.offload.files import FileStore
 from lightning_zero.watchdog import EXIT_CODE, PeerFailure, Watchdog, _exit
 
 HEARTBEAT_S, TIMEOUT_S = 0.1, 1.0
@@ -114,8 +114,8 @@ def test_heartbeat_must_be_shorter_than_the_failure_timeout() -> None:
 
 
 def _hard_exit_with_offload_files(directory: str) -> None:
-    store = MappedStore(Path(directory))
-    store.tensor_like(torch.ones(1000))
+    store = FileStore(Path(directory))
+    store.create(torch.ones(1000))
     _exit(0, "a peer failed (test)")
 
 

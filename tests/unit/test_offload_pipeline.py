@@ -1,0 +1,189 @@
+"""The offloaded step's copies between host and device, checked without a GPU (issue 30, points 1, 3 and 4).
+
+``DeferredTransfers`` stands in for ``Transfers`` on a CUDA machine, with the asynchrony made visible: a copy runs only
+when someone waits on a ticket that covers it, reading its source at that moment, as a side-stream copy would. So a
+consumer that reads without waiting on the ticket of what it reads sees stale values, a buffer written again before
+its last copy ran corrupts that copy, and the order of the waits shows whether each group's host step waits for its
+own gradients only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.offload.host import HostOffload
+from lightning_zero.offload.staging import ALIGNMENT, HostArena, aligned
+from lightning_zero.sharding.flat_param import shard_parameters
+from lightning_zero.sharding.optimizer import ShardedOptimizer
+
+
+class _Ticket:
+    def __init__(self, transfers: DeferredTransfers, count: int) -> None:
+        self.transfers, self.count = transfers, count
+
+    def wait(self) -> None:
+        self.transfers.run_until(self.count, "host")
+
+    def wait_on_stream(self, stream) -> None:
+        self.transfers.run_until(self.count, "compute")
+
+
+class DeferredTransfers:
+    stages, pinned, cuda = True, False, False
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.done = 0
+        self.waits: list[tuple[str, int]] = []
+
+    def copy(self, pairs) -> _Ticket:
+        self.queue.extend(pairs)
+        return _Ticket(self, len(self.queue))
+
+    def record(self) -> _Ticket:
+        return _Ticket(self, len(self.queue))
+
+    def wait_on_compute(self, tickets) -> None:
+        for ticket in tickets:
+            ticket.wait_on_stream(None)
+
+    def run_until(self, count: int, who: str) -> None:
+        self.waits.append((who, count))
+        while self.done < count:
+            dst, src = self.queue[self.done]
+            dst.copy_(src)
+            self.done += 1
+
+
+def _offload(transfers: DeferredTransfers, group_bytes: int = 1):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    shards = shard_parameters(module.named_parameters(), 0, 1)
+    for shard in shards:
+        shard.local = shard.local.float()  # the fp32 masters; the parameters stay bf16 (mixed precision)
+    offload = HostOffload(shards, stage=2, group_bytes=group_bytes, transfers=transfers, grad_dtype=torch.bfloat16)
+    optimizer = ShardedOptimizer(torch.optim.SGD(module.parameters(), lr=0.5), {s.param: s for s in shards})
+    for shard in shards:
+        shard.param.grad = torch.randn(shard.spec.local_shape).to(torch.bfloat16)
+    return module, shards, offload, optimizer
+
+
+def test_each_group_steps_once_its_own_gradients_arrived_while_later_ones_are_still_copying() -> None:
+    transfers = DeferredTransfers()
+    module, shards, offload, optimizer = _offload(transfers)
+    copied_at_step = []
+    update = optimizer.update
+
+    def logged(grads, only=None, **kwargs):
+        copied_at_step.append(transfers.done)
+        return update(grads, only=only, **kwargs)
+
+    optimizer.update = logged
+    expected = [s.local - 0.5 * s.param.grad.float() for s in shards]
+    offload.update(optimizer, shards, 1.0, None)
+    # One group per parameter (group_bytes=1): the host steps group i once its gradient copy (copy i, queued first,
+    # all at once) ran, and before the next groups' copies ran.
+    assert copied_at_step == list(range(1, len(shards) + 1))
+    for shard, want in zip(shards, expected):  # and it stepped on the gradients that arrived, not stale arena rows
+        torch.testing.assert_close(shard.local, want, rtol=0, atol=0)
+
+
+def test_the_device_waits_for_the_updated_rows_before_it_reads_them() -> None:
+    transfers = DeferredTransfers()
+    module, shards, offload, optimizer = _offload(transfers)
+    before = [s.param.detach().clone() for s in shards]
+    offload.update(optimizer, shards, 1.0, None)
+    for shard, old in zip(shards, before):
+        assert not torch.equal(shard.param.detach(), old)
+        torch.testing.assert_close(shard.param.detach(), shard.local.to(torch.bfloat16), rtol=0, atol=0)
+    assert transfers.waits[-1] == ("compute", len(transfers.queue))  # the compute stream waited for the last copy
+
+    # A checkpoint loads new masters: refresh pushes them, and the compute stream waits before any gather reads them.
+    for shard in shards:
+        shard.local.fill_(0.25)
+    offload.refresh()
+    for shard in shards:
+        assert torch.equal(shard.param.detach(), torch.full_like(shard.param, 0.25))
+
+
+def test_staging_is_one_arena_per_purpose_sized_from_the_shards_and_reused() -> None:
+    transfers = DeferredTransfers()
+    module, shards, offload, optimizer = _offload(transfers)
+    expected = sum(aligned(s.spec.local_numel * 2) for s in shards)  # bf16 rows, each slot on a page boundary
+    assert sorted(offload.arenas) == ["gradient shards", "updated rows"]
+    assert {purpose: a.nbytes for purpose, a in offload.arenas.items()} == {
+        "gradient shards": expected, "updated rows": expected}
+    storages = {a.storage().data_ptr() for a in offload.arenas.values()}
+    assert {b.data_ptr() for b in offload.host_buffers()} == storages
+    for step in range(2):
+        offload.update(optimizer, shards, 1.0, None)
+        # Every staging copy went through the two arenas: the host side of each queued copy lies inside one of them.
+        for dst, src in transfers.queue:
+            host = dst if dst.data_ptr() in _arena_range(offload) else src
+            assert host.data_ptr() in _arena_range(offload)
+        assert {a.storage().data_ptr() for a in offload.arenas.values()} == storages  # reused, not reallocated
+        for shard in shards:
+            shard.param.grad = torch.randn(shard.spec.local_shape).to(torch.bfloat16)
+
+
+def _arena_range(offload: HostOffload):
+    class Within:
+        def __contains__(self, pointer: int) -> bool:
+            return any(a.storage().data_ptr() <= pointer < a.storage().data_ptr() + a.storage().numel()
+                       for a in offload.arenas.values())
+
+    return Within()
+
+
+def test_a_pinned_arena_is_registered_with_cuda_once_at_its_exact_size(monkeypatch) -> None:
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, pointer, size, flags):
+            calls.append(("register", pointer, size))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            calls.append(("unregister", pointer))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    arena = HostArena("gradient shards", 10_000, pinned=True)
+    storage = arena.storage()
+    assert calls == [("register", storage.data_ptr(), 10_000 + ALIGNMENT)]  # not rounded up to a power of two
+    view = arena.view(_slot(5000))
+    assert view.data_ptr() % ALIGNMENT == 0
+    arena.close()
+    assert calls[-1] == ("unregister", storage.data_ptr())
+    with pytest.raises(ValueError, match="passes the arena's"):
+        HostArena("small", 100, pinned=False).view(_slot(200))
+
+
+def _slot(nbytes: int):
+    from lightning_zero.offload.staging import Slot
+
+    return Slot(0, torch.Size([nbytes]), torch.uint8)
+
+
+def test_host_rows_a_gather_is_copying_are_not_rewritten_before_that_copy_ran() -> None:
+    """``offload_params="cpu"``: a unit's all-gather copies the host rows to the device as part of its pack; an update
+    that comes before that copy ran must not change the rows under it (the gather was issued for the old values)."""
+    transfers = DeferredTransfers()
+    torch.manual_seed(0)
+    module = nn.Linear(8, 4)
+    shards = shard_parameters(module.named_parameters(), 0, 1, torch.float32)
+    offload = HostOffload(shards, stage=3, group_bytes=1, transfers=transfers, params_on_host=True)
+    assert all(s.working.data_ptr() != s.local.data_ptr() for s in shards)  # host rows apart from the masters
+    old = [s.working.clone() for s in shards]
+    packed = [torch.empty_like(s.working) for s in shards]
+    with offload.staged(shards):
+        transfers.copy(list(zip(packed, [s.working for s in shards])))  # the pack's copies, still in flight
+    for shard in shards:
+        shard.local.add_(1.0)  # the next update
+    offload.push(shards)
+    transfers.run_until(len(transfers.queue), "compute")
+    for got, want, shard in zip(packed, old, shards):
+        assert torch.equal(got, want)  # the gather saw the rows it was issued for
+        assert torch.equal(shard.working, shard.local)  # and the rows hold the update afterwards
