@@ -6,8 +6,10 @@ rank-major buffers here, in one fused copy, and ``InFlight`` is the one pipeline
 caps how many are pending and completes them in order.
 
 [Note: which algorithm each collective uses]
-On NCCL the native ``reduce_scatter_single`` and ``all_gather_single`` are bandwidth-optimal and used as they are. On
-gloo they are not: measured on 2 CPU processes with a 20.5M-element fp32 buffer (shared/DESIGN.md),
+Where NCCL serves the group's device (backend ``"nccl"``, or a composite one that maps CUDA to it, such as
+``"cpu:gloo,cuda:nccl"`` with CUDA tensors) the native ``reduce_scatter_single`` and ``all_gather_single`` are
+bandwidth-optimal and used as they are. On gloo they are not: measured on 2 CPU processes with a 20.5M-element
+fp32 buffer (shared/DESIGN.md),
 ``reduce_scatter_tensor`` took 163 ms against 85 ms for an all-reduce followed by taking one's own slice, and
 ``all_gather_into_tensor`` took 151 ms against 48 ms for one async broadcast per rank into the output slices. So on
 any backend other than NCCL the all-gather is ``N`` concurrent broadcasts, and the reduce-scatter is an exchange:
@@ -207,13 +209,23 @@ class Collectives:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.backend = dist.get_backend(group) if self.distributed else None
-        self.native = self.backend == "nccl"
+        backends = _device_backends(group) if self.distributed else {}
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if self.native else torch.device("cpu")
-        if self.native and device.type != "cuda":
-            raise CollectiveDeviceError(f"the NCCL process group needs CUDA tensors, but the model is on {device}")
+            on_cuda = backends.get("cuda") == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        if self.distributed and device.type not in backends:
+            served = ", ".join(f"{t} tensors ({b})" for t, b in backends.items())
+            raise CollectiveDeviceError(
+                f"the process group ({self.backend}) serves {served}, but the model is on {device}"
+            )
         #: Where this group's collectives read and write tensors.
         self.device = device
+        #: The backend that runs this group's collectives on ``device`` ("nccl", "gloo", ...; None without a process
+        #: group): a composite backend ("cpu:gloo,cuda:nccl") names one per device type.
+        self.device_backend: str | None = backends.get(device.type)
+        #: Whether the backend's own reduce-scatter and all-gather are used (see [Note: which algorithm each
+        #: collective uses]).
+        self.native = self.device_backend == "nccl"
         self.local = not self.distributed or (self.world_size == 1 and shortcut_single_rank)
         self.stats = stats if stats is not None else CommStats()
         self._control: dist.ProcessGroup | None = None
@@ -360,6 +372,13 @@ class Collectives:
 
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
         return DeviceMesh(self.device.type, ranks)
+
+
+def _device_backends(group: dist.ProcessGroup | None) -> dict[str, str]:
+    """Which backend serves each device type in ``group``, as torch resolved its backend string: ``"nccl"`` is
+    ``{"cuda": "nccl"}``, ``"gloo"`` ``{"cpu": "gloo", "cuda": "gloo"}``, ``"cpu:gloo,cuda:nccl"`` as written."""
+    pairs = (pair.split(":") for pair in dist.get_backend_config(group).split(","))
+    return {device_type: backend for device_type, backend in pairs}
 
 
 #: Point-to-point tags stay below this (gloo takes any 32-bit tag; ranks count exchanges alike, so tags agree).
