@@ -23,6 +23,20 @@ ring by the last bits. The received segments, ``(N-1)/N`` of the buffer, are hel
 tensors only, so with CUDA tensors on gloo (``process_group_backend="gloo"`` on GPUs) the reduce-scatter stays an
 all-reduce of the whole buffer, of which the rank keeps its segment.
 
+[Note: ending collectives no peer will match]
+A collective issued on NCCL is a kernel queued on NCCL's stream that spins until every peer has issued its
+counterpart. Stage 3's unit-order check can raise on a rank that has already issued the next collective of the
+expected sequence (param_hooks.py, [Note: ranks that run different units]); no peer will issue its counterpart, so
+the kernel would spin until the process group's timeout (30 minutes under Lightning), and so would whatever waits
+for the device after the error: freeing cached memory in teardown, and the ``destroy_process_group`` Lightning runs
+at exit, whose NCCL shutdown waits for every queued kernel. ``Collectives.abort`` aborts the group
+(``ProcessGroup.abort``: ``ncclCommAbort`` on its communicators), which ends the queued kernels at once; the shutdown
+at exit then skips the aborted communicators, and the error reaches the user in seconds, as on gloo. The group stays
+registered, so the store the watchdog reads and every other group are left alone (torch's private
+``_abort_process_group`` would also unregister it, and for the default group every group and the store with it).
+On gloo nothing is done: a collective no peer matches occupies the group's worker thread only, nothing waits on it
+since the error is raised instead, and gloo's abort would not end such a wait anyway (watchdog.py).
+
 [Note: what the byte accounting counts]
 Every call records the *logical* volume per rank of the operation the algorithm needs, as a ring implementation
 moves it: ``(N-1)/N`` of the full buffer for a reduce-scatter or an all-gather, ``2(N-1)/N`` for an all-reduce and
@@ -361,6 +375,14 @@ class Collectives:
         everyone = [torch.empty_like(tensor) for _ in range(self.world_size)]
         work = dist.all_gather(everyone, tensor, group=self._control, async_op=True)
         return Pending([work], lambda: [t.tolist() for t in everyone])
+
+    def abort(self) -> None:
+        """End every collective this group has in flight, before raising an error that leaves some of them without
+        a counterpart on the other ranks: where NCCL serves the group's device, abort the group (it is unusable
+        afterwards); on gloo nothing is done. See [Note: ending collectives no peer will match]."""
+        if self.device_backend != "nccl" or self.local:
+            return
+        (self.group if self.group is not None else dist.group.WORLD).abort()
 
     def barrier(self) -> None:
         if self.distributed:

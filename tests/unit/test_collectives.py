@@ -124,3 +124,22 @@ def test_a_device_the_backend_does_not_serve_is_refused_naming_what_it_serves(mo
     with pytest.raises(CollectiveDeviceError) as err:
         Collectives(device=torch.device("cpu"))
     assert str(err.value) == "the process group (nccl) serves cuda tensors (nccl), but the model is on cpu"
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "aborts"),
+    [("nccl", "cuda:0", 1), ("cpu:gloo,cuda:nccl", "cuda:0", 1), ("cpu:gloo,cuda:nccl", "cpu", 0), ("gloo", "cuda:0", 0)],
+)
+def test_abort_ends_the_group_only_where_nccl_serves_its_device(
+    monkeypatch: pytest.MonkeyPatch, backend: str, device: str, aborts: int
+) -> None:
+    class Group:  # records ProcessGroup.abort
+        aborted = 0
+
+        def abort(self) -> None:
+            self.aborted += 1
+
+    fake_process_group(monkeypatch, backend)
+    group = Group()
+    Collectives(device=torch.device(device), group=group).abort()
+    assert group.aborted == aborts
