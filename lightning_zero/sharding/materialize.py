@@ -38,7 +38,7 @@ former) give the CPU's generator a seed and queue the same one for every CUDA de
 ``torch.initial_seed()``, and setup, in the rank, makes the state of a CUDA generator seeded with it: the state an
 eager build in the launching process would have drawn from. Not seen: a seed given to the CUDA generators alone
 (``torch.cuda.manual_seed``) after the CPU's; and with no seed at all, when torch starts each generator from a seed
-of its own drawn at random, the model draws from the CPU's (the same numbers on every rank all the same).
+of its own drawn at random, the model draws from the CPU's seed (still the same numbers on every rank).
 
 A tensor is never left holding uninitialized memory: each is allocated filled with a value no initializer writes
 (NaN, or for integers and booleans a bit pattern they never hold in practice) and checked once its unit's
