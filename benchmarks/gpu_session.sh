@@ -7,10 +7,16 @@
 #
 # 1. Installs the wheels carried in .whl/ (hydra-core, omegaconf, deepspeed, ...; how to download them is in the
 #    shared gpu/README.md) into .site/ and puts it and the checkout on PYTHONPATH; nothing is fetched.
-# 2. tests/gpu: the CUDA paths, each test once with the world-size-1 short cut and once with every NCCL collective
-#    issued (two NCCL ranks cannot share one GPU, so one rank with real collectives is how one GPU proves them).
-# 3. compare.py --gpu: the one-GPU table (single device, zero1/2/3, zero3 with its collectives issued, FSDP2 and
-#    DeepSpeed ZeRO-3 through Lightning) at SIZE (default the 1.3B GPT), written to $OUT/gpu.json and $OUT/GPU.md.
+# 2. tests/gpu/test_cuda.py: the CUDA paths, each parity test once with the world-size-1 short cut and once with
+#    every NCCL collective issued (two NCCL ranks cannot share one GPU, so one rank with real collectives is how one
+#    GPU proves them); a zero3 fork from a process that never initialized CUDA; ZeroMonitor's event timing.
+# 3. tests/gpu/test_offload.py: optimizer offload to the host, parameter offload and disk offload, NCCL issued,
+#    against the same stage without offload at every step (and stage 3's three modes bitwise against one another).
+# 4. compare.py --gpu (skipped with BENCH=0): the one-GPU table (single device, zero1/2/3, zero3 with its
+#    collectives issued, FSDP2 and DeepSpeed ZeRO-3 through Lightning) at SIZE (default the 1.3B GPT), written to
+#    $OUT/gpu.json and $OUT/GPU.md.
+#
+# Time limits per step (seconds): TESTS_S (240), OFFLOAD_S (180), BENCH_S (360).
 #
 # Back on the development machine: copy gpu.json to benchmarks/results/gpu.json and re-render BENCHMARKS.md with
 # `python benchmarks/compare.py --report-only benchmarks/results/full.json`, which fills the one-GPU goal rows.
@@ -35,9 +41,13 @@ torch.cuda.get_device_name() if cuda else '')"
 } | tee "$OUT/env.txt"
 
 status=0
-timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -40 | tee "$OUT/tests_gpu.txt" \
-  || status=1
-timeout "${BENCH_S:-360}" "$PY" benchmarks/compare.py --gpu --gpu-size "$SIZE" --results "$OUT/gpu.json" \
-  --out "$OUT/GPU.md" 2>&1 | tail -40 | tee "$OUT/compare_gpu.txt" || status=1
+timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py 2>&1 | tail -40 \
+  | tee "$OUT/tests_gpu.txt" || status=1
+timeout "${OFFLOAD_S:-180}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_offload.py 2>&1 | tail -40 \
+  | tee "$OUT/tests_gpu_offload.txt" || status=1
+if [ "${BENCH:-1}" != 0 ]; then
+  timeout "${BENCH_S:-360}" "$PY" benchmarks/compare.py --gpu --gpu-size "$SIZE" --results "$OUT/gpu.json" \
+    --out "$OUT/GPU.md" 2>&1 | tail -40 | tee "$OUT/compare_gpu.txt" || status=1
+fi
 echo "gpu_session: exit $status (results in $OUT)"
 exit $status

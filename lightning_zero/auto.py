@@ -18,6 +18,7 @@ finds it there (``AUTO_ENV``) and takes it as it is.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import shutil
@@ -225,14 +226,45 @@ def device_budget(auto: AutoStrategy, accelerator: str, devices: list[int]) -> i
 
 
 def cuda_free_bytes(device: int) -> int:
+    """Free memory of CUDA device ``device`` (numbered as the run sees its devices), read through NVML, which
+    initializes no CUDA: this is the launching process, and Lightning cannot fork ranks (``start_method="fork"``, the
+    ``_notebook`` strategies) from a process that initialized CUDA. torch's readings initialize it (device properties,
+    ``mem_get_info``, and in torch 2.13 ``device_memory_used`` too, through its current device). Only without NVML
+    (no NVIDIA driver library) is the CUDA runtime asked."""
+    free = _nvml_free_bytes(device)
+    if free is not None:
+        return free
     import torch
 
-    # NVML reads the usage without creating a CUDA context on every device in this (rank-0) process.
-    total = torch.cuda.get_device_properties(device).total_memory
+    return torch.cuda.mem_get_info(device)[0]
+
+
+class _NvmlMemory(ctypes.Structure):
+    """NVML's ``nvmlMemory_t``: bytes of device memory."""
+
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def _nvml_free_bytes(device: int) -> int | None:
+    """Free bytes of CUDA device ``device`` from the NVIDIA driver's NVML library, or None where it cannot tell."""
+    import torch
+
     try:
-        return total - torch.cuda.device_memory_used(device)
-    except Exception:  # no NVML: fall back to the CUDA runtime
-        return torch.cuda.mem_get_info(device)[0]
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        index = torch.cuda._get_nvml_device_index(device)  # CUDA_VISIBLE_DEVICES applied, CUDA left alone
+        handle, memory = ctypes.c_void_p(), _NvmlMemory()
+        if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
+            return None
+        if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0:
+            return None
+        return int(memory.free)
+    finally:
+        nvml.nvmlShutdown()
 
 
 def _on_cuda(accelerator: str) -> bool:

@@ -11,6 +11,17 @@ Every rank measures; at the end of training rank 0 owns the summary (the memory 
 With the ``popen`` start method rank 0 is the launching process, so ``report()`` reads the summary it measured. With
 ``fork`` or ``spawn`` the launching process only waits for the workers and runs no callback, so rank 0 also writes
 the summary to ``summary_file`` and ``report()`` in the launching process reads it from there.
+
+[Note: timing a step on a GPU]
+A step's time is taken from where its first batch starts to where its optimizer step has run. On a CPU the host's
+clock measures it: the work is done when the host gets there. On a GPU the host runs ahead of the device, and
+``torch.cuda.synchronize`` to catch up would wait for every stream, the parameter all-gathers that zero1/zero2 leave
+in flight to overlap the next forward included: each step would pay for them in full, and the figure would hide the
+overlap it is meant to show. So the two points are CUDA events recorded on the current (compute) stream, whose time
+between them ``elapsed_time`` gives once the device has passed both: the gathers are counted where the compute stream
+waits for them, in the next step. A step's events are read without waiting, when a later step ends and the device
+has passed them (``Event.query``), and at the end of training, waiting for the last event only: so the throughput
+logged at a step is that of the latest step the device has finished (on a CPU, the step itself).
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ _DDP_PRECISION = "32-true"  # DDP's figure is reported in fp32-Adam terms whatev
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One optimizer step on this rank: wall time, bytes moved by the strategy, tokens (or samples) consumed."""
+    """One optimizer step on this rank: its time (see [Note: timing a step on a GPU]), bytes moved by the strategy,
+    tokens (or samples) consumed."""
 
     seconds: float
     comm_bytes: int | None
@@ -79,6 +91,53 @@ class MonitorSummary:
         return cls(**raw)
 
 
+@dataclass(frozen=True)
+class _TimedStep:
+    """A step whose time is known once the clock can read it: its start and end marks, bytes moved, items."""
+
+    start: Any
+    end: Any
+    comm_bytes: int | None
+    items: int
+
+
+class _HostClock:
+    """Steps timed on the host's clock: a CPU run (see [Note: timing a step on a GPU])."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def passed(self, mark: float) -> bool:
+        return True
+
+    def wait(self, mark: float) -> None:
+        pass
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class _CudaClock:
+    """Steps timed by CUDA events on ``device``'s current stream (see [Note: timing a step on a GPU])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def passed(self, mark: torch.cuda.Event) -> bool:
+        return mark.query()
+
+    def wait(self, mark: torch.cuda.Event) -> None:
+        mark.synchronize()
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1000
+
+
 class ZeroMonitor(pl.Callback):
     """Logs per-rank model-state bytes, communication bytes per step and throughput; ``report()`` sums them up.
 
@@ -91,22 +150,25 @@ class ZeroMonitor(pl.Callback):
         self.summary_file = Path(summary_file) if summary_file is not None else None
         self.summary: MonitorSummary | None = None
         self._steps: list[StepRecord] = []
+        self._timing: list[_TimedStep] = []
+        self._clock: _HostClock | _CudaClock = _HostClock()
         self._held: tuple[int, ...] | None = None
-        self._step_start: tuple[float, int | None] | None = None
+        self._step_start: tuple[Any, int | None] | None = None
         self._items = 0
         self._last_global_step = 0
         self._unit = "samples/s"
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.summary, self._steps, self._held = None, [], None
+        self.summary, self._steps, self._timing, self._held = None, [], [], None
         self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
+        device = trainer.strategy.root_device
+        self._clock = _CudaClock(device) if device.type == "cuda" else _HostClock()
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._step_start is None:
-            _synchronize(trainer)
-            self._step_start = (time.perf_counter(), _comm_total(trainer))
+            self._step_start = (self._clock.mark(), _comm_total(trainer))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -115,19 +177,21 @@ class ZeroMonitor(pl.Callback):
         self._items += items
         if trainer.global_step == self._last_global_step or self._step_start is None:
             return  # accumulating gradients: the optimizer step has not happened yet
-        _synchronize(trainer)
         started, comm_at_start = self._step_start
         comm_now = _comm_total(trainer)
         comm = comm_now - comm_at_start if comm_now is not None and comm_at_start is not None else None
-        step = StepRecord(time.perf_counter() - started, comm, self._items)
-        self._steps.append(step)
+        self._timing.append(_TimedStep(started, self._clock.mark(), comm, self._items))
         self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
         held = _held_bytes(trainer, pl_module)
         if self._held is None:  # optimizer states exist from the first step on; one gather is enough
             self._held = _largest_over_ranks(trainer, pl_module, held)
-        self._log(pl_module, held, step, trainer.world_size)
+        finished = self._read_finished_steps()
+        self._log(pl_module, held, comm, finished[-1] if finished else None, trainer.world_size)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._timing:
+            self._clock.wait(self._timing[-1].end)
+            self._read_finished_steps()
         if not self._steps or self._held is None:
             return
         self.summary = _summarize(trainer, pl_module, self._held, self._steps, self._unit)
@@ -148,7 +212,25 @@ class ZeroMonitor(pl.Callback):
             self.summary_file.parent.mkdir(parents=True, exist_ok=True)
             self.summary_file.write_text(self.summary.to_json())
 
-    def _log(self, pl_module: pl.LightningModule, held: ModelStateBytes, step: StepRecord, world_size: int) -> None:
+    def _read_finished_steps(self) -> list[StepRecord]:
+        """The steps, oldest first, whose end the clock has passed, moved to the records (the device is not waited
+        for: see [Note: timing a step on a GPU])."""
+        finished = []
+        while self._timing and self._clock.passed(self._timing[0].end):
+            timed = self._timing.pop(0)
+            finished.append(StepRecord(self._clock.seconds(timed.start, timed.end), timed.comm_bytes, timed.items))
+        self._steps.extend(finished)
+        return finished
+
+    def _log(
+        self,
+        pl_module: pl.LightningModule,
+        held: ModelStateBytes,
+        comm_bytes: int | None,
+        finished: StepRecord | None,
+        world_size: int,
+    ) -> None:
+        """This step's bytes, and the throughput of ``finished``, the latest step timed (if any yet)."""
         figures = {
             "zero/params_bytes": held.params,
             "zero/grads_bytes": held.grads,
@@ -158,10 +240,11 @@ class ZeroMonitor(pl.Callback):
             "zero/host_bytes": held.host,
             "zero/disk_bytes": held.disk,
             "zero/buffer_bytes": held.buffers,
-            f"zero/{self._unit.replace('/', '_per_')}": step.items * world_size / step.seconds,
         }
-        if step.comm_bytes is not None:
-            figures["zero/comm_bytes_per_step"] = step.comm_bytes
+        if finished is not None:
+            figures[f"zero/{self._unit.replace('/', '_per_')}"] = finished.items * world_size / finished.seconds
+        if comm_bytes is not None:
+            figures["zero/comm_bytes_per_step"] = comm_bytes
         pl_module.log_dict({k: float(v) for k, v in figures.items()}, on_step=True, on_epoch=False)
 
 
@@ -323,12 +406,6 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     if isinstance(batch, (list, tuple)):
         return [t for item in batch for t in _tensors(item)]
     return []
-
-
-def _synchronize(trainer: pl.Trainer) -> None:
-    device = trainer.strategy.root_device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _maybe(value: int | None, fmt: Any) -> str:

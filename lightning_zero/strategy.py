@@ -38,7 +38,7 @@ from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
 from lightning_zero.replicas import check_replicas
 from lightning_zero.sharding.collectives import Collectives, CommStats
-from lightning_zero.sharding.materialize import has_meta_tensors, materialize_shards, rng_state
+from lightning_zero.sharding.materialize import generator_state, has_meta_tensors, materialize_shards, rng_state
 from lightning_zero.sharding.overlap import install_gate
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
 from lightning_zero.watchdog import Watchdog
@@ -104,7 +104,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         )
         self._runtime: ZeroRuntime | None = None
         self._comm_stats = CommStats()
-        self._init_rng_state: Tensor | None = None
+        self._init_rng_state: Tensor | int | None = None
         self._failed = False
         self._watchdog: Watchdog | None = None
 
@@ -172,8 +172,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         materialized = None
         if self.config.stage == 3 and has_meta_tensors(self.model):
             # Every rank draws rank 0's numbers, even if the user never seeded.
-            state = (self._init_rng_state if self._init_rng_state is not None else rng_state(self.root_device)).clone()
-            state = state.to(comms.device)
+            recorded = self._init_rng_state if self._init_rng_state is not None else rng_state(self.root_device)
+            state = generator_state(self.root_device, recorded).clone().to(comms.device)
             comms.broadcast_([state], "the random generator state for meta-device init")
             materialized = materialize_shards(self.model, self.root_device, state.cpu(), comms.rank, comms.world_size)
         self.model_to_device()
@@ -206,7 +206,9 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Stage 3 builds modules on the meta device; setup materializes only the local shards."""
+        """Stage 3 builds modules on the meta device; setup materializes only the local shards. Runs in the launching
+        process under ``Trainer.init_module()``, which must not initialize CUDA (Lightning forks the ranks from it
+        with ``start_method="fork"``): the generator is recorded without initializing it (``rng_state``)."""
         if self.config.stage != 3:
             with super().tensor_init_context(empty_init):
                 yield

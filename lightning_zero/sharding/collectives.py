@@ -6,8 +6,10 @@ rank-major buffers here, in one fused copy, and ``InFlight`` is the one pipeline
 caps how many are pending and completes them in order.
 
 [Note: which algorithm each collective uses]
-On NCCL the native ``reduce_scatter_single`` and ``all_gather_single`` are bandwidth-optimal and used as they are. On
-gloo they are not: measured on 2 CPU processes with a 20.5M-element fp32 buffer (shared/DESIGN.md),
+Where NCCL serves the group's device (backend ``"nccl"``, or a composite one that maps CUDA to it, such as
+``"cpu:gloo,cuda:nccl"`` with CUDA tensors) the native ``reduce_scatter_single`` and ``all_gather_single`` are
+bandwidth-optimal and used as they are. On gloo they are not: measured on 2 CPU processes with a 20.5M-element
+fp32 buffer (shared/DESIGN.md),
 ``reduce_scatter_tensor`` took 163 ms against 85 ms for an all-reduce followed by taking one's own slice, and
 ``all_gather_into_tensor`` took 151 ms against 48 ms for one async broadcast per rank into the output slices. So on
 any backend other than NCCL the all-gather is ``N`` concurrent broadcasts, and the reduce-scatter is an exchange:
@@ -20,6 +22,20 @@ ring by the last bits. The received segments, ``(N-1)/N`` of the buffer, are hel
 (``Pending.held_bytes``; ``InFlight`` bounds how many such reductions are pending). gloo sends and receives host
 tensors only, so with CUDA tensors on gloo (``process_group_backend="gloo"`` on GPUs) the reduce-scatter stays an
 all-reduce of the whole buffer, of which the rank keeps its segment.
+
+[Note: ending collectives no peer will match]
+A collective issued on NCCL is a kernel queued on NCCL's stream that spins until every peer has issued its
+counterpart. Stage 3's unit-order check can raise on a rank that has already issued the next collective of the
+expected sequence (param_hooks.py, [Note: ranks that run different units]); no peer will issue its counterpart, so
+the kernel would spin until the process group's timeout (30 minutes under Lightning), and so would whatever waits
+for the device after the error: freeing cached memory in teardown, and the ``destroy_process_group`` Lightning runs
+at exit, whose NCCL shutdown waits for every queued kernel. ``Collectives.abort`` aborts the group
+(``ProcessGroup.abort``: ``ncclCommAbort`` on its communicators), which ends the queued kernels at once; the shutdown
+at exit then skips the aborted communicators, and the error reaches the user in seconds, as on gloo. The group stays
+registered, so the store the watchdog reads and every other group are left alone (torch's private
+``_abort_process_group`` would also unregister it, and for the default group every group and the store with it).
+On gloo nothing is done: a collective no peer matches occupies the group's worker thread only, nothing waits on it
+since the error is raised instead, and gloo's abort would not end such a wait anyway (watchdog.py).
 
 [Note: what the byte accounting counts]
 Every call records the *logical* volume per rank of the operation the algorithm needs, as a ring implementation
@@ -221,13 +237,23 @@ class Collectives:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.backend = dist.get_backend(group) if self.distributed else None
-        self.native = self.backend == "nccl"
+        backends = _device_backends(group) if self.distributed else {}
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if self.native else torch.device("cpu")
-        if self.native and device.type != "cuda":
-            raise CollectiveDeviceError(f"the NCCL process group needs CUDA tensors, but the model is on {device}")
+            on_cuda = backends.get("cuda") == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        if self.distributed and device.type not in backends:
+            served = ", ".join(f"{t} tensors ({b})" for t, b in backends.items())
+            raise CollectiveDeviceError(
+                f"the process group ({self.backend}) serves {served}, but the model is on {device}"
+            )
         #: Where this group's collectives read and write tensors.
         self.device = device
+        #: The backend that runs this group's collectives on ``device`` ("nccl", "gloo", ...; None without a process
+        #: group): a composite backend ("cpu:gloo,cuda:nccl") names one per device type.
+        self.device_backend: str | None = backends.get(device.type)
+        #: Whether the backend's own reduce-scatter and all-gather are used (see [Note: which algorithm each
+        #: collective uses]).
+        self.native = self.device_backend == "nccl"
         self.local = not self.distributed or (self.world_size == 1 and shortcut_single_rank)
         self.stats = stats if stats is not None else CommStats()
         self._control: dist.ProcessGroup | None = None
@@ -364,6 +390,14 @@ class Collectives:
         work = dist.all_gather(everyone, tensor, group=self._control, async_op=True)
         return Pending([work], lambda: [t.tolist() for t in everyone])
 
+    def abort(self) -> None:
+        """End every collective this group has in flight, before raising an error that leaves some of them without
+        a counterpart on the other ranks: where NCCL serves the group's device, abort the group (it is unusable
+        afterwards); on gloo nothing is done. See [Note: ending collectives no peer will match]."""
+        if self.device_backend != "nccl" or self.local:
+            return
+        (self.group if self.group is not None else dist.group.WORLD).abort()
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group, **({"device_ids": [self.device.index]} if self.native else {}))
@@ -374,6 +408,13 @@ class Collectives:
 
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
         return DeviceMesh(self.device.type, ranks)
+
+
+def _device_backends(group: dist.ProcessGroup | None) -> dict[str, str]:
+    """Which backend serves each device type in ``group``, as torch resolved its backend string: ``"nccl"`` is
+    ``{"cuda": "nccl"}``, ``"gloo"`` ``{"cpu": "gloo", "cuda": "gloo"}``, ``"cpu:gloo,cuda:nccl"`` as written."""
+    pairs = (pair.split(":") for pair in dist.get_backend_config(group).split(","))
+    return {device_type: backend for device_type, backend in pairs}
 
 
 #: Point-to-point tags stay below this (gloo takes any 32-bit tag; ranks count exchanges alike, so tags agree).

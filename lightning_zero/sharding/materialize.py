@@ -3,7 +3,9 @@
 [Note: initial values of a model built on the meta device]
 Under ``configure_model()`` (and ``Trainer.init_module()``) a stage-3 strategy builds the model on the meta device,
 where nothing is allocated and no random numbers are drawn, and records at that moment the state of the generator
-that initializes tensors on the training device (the CPU's, or the CUDA device's, as an eager build there would use).
+that initializes tensors on the training device (the CPU's, or the CUDA device's, as an eager build there would use;
+in a process that has not initialized CUDA, the seed that determines it: see [Note: the CUDA generator of a process
+without CUDA]).
 Setup then materializes the model unit by unit, starting from that RNG state: a unit's meta parameters and buffers
 are allocated in full, its initializers run, the local rows of each parameter are copied out and the full storage is
 freed before the next unit. A unit is one module, except that a module whose own initializer may reach into its
@@ -25,6 +27,18 @@ eager build's while following the same distributions (its deterministic values, 
 frequencies, are equal). A weight tied to another (``lm_head.weight = wte.weight``) keeps the values of the module
 that registered it first; the later module's initializers run on a scratch tensor of the full shape, so that the
 random stream advances as in the eager build.
+
+[Note: the CUDA generator of a process without CUDA]
+Reading a CUDA generator's state initializes CUDA, and the process that launches the ranks must not initialize it:
+Lightning cannot fork ranks from a process that has (``zero3_fork``, ``zero3_notebook``), and ``Trainer.init_module()``
+runs in that process. Nor does it need to: a CUDA generator in a process that has not initialized CUDA has drawn
+nothing, so its state is the seed it will start from, with offset 0. torch seeds it lazily, with the seed the CPU's
+generator gets: ``torch.manual_seed`` and ``torch.seed`` (and Lightning's ``seed_everything``, which calls the
+former) give the CPU's generator a seed and queue the same one for every CUDA device. So the seed recorded is
+``torch.initial_seed()``, and setup, in the rank, makes the state of a CUDA generator seeded with it: the state an
+eager build in the launching process would have drawn from. Not seen: a seed given to the CUDA generators alone
+(``torch.cuda.manual_seed``) after the CPU's; and with no seed at all, when torch starts each generator from a seed
+of its own drawn at random, the model draws from the CPU's seed (still the same numbers on every rank).
 
 A tensor is never left holding uninitialized memory: each is allocated filled with a value no initializer writes
 (NaN, or for integers and booleans a bit pattern they never hold in practice) and checked once its unit's
@@ -54,9 +68,22 @@ from lightning_zero.sharding.flat_param import ShardSpec
 Initializer = tuple[str, Callable[[], object]]
 
 
-def rng_state(device: torch.device) -> Tensor:
-    """The state of the generator that initializes tensors on ``device`` (the CPU's, or that CUDA device's)."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.random.get_rng_state()
+def rng_state(device: torch.device) -> Tensor | int:
+    """The state of the generator that initializes tensors on ``device`` (the CPU's, or that CUDA device's); for a
+    CUDA device in a process that has not initialized CUDA, the seed that generator starts from, read without
+    initializing CUDA (see [Note: the CUDA generator of a process without CUDA]). ``generator_state`` makes either
+    into a state."""
+    if device.type != "cuda":
+        return torch.random.get_rng_state()
+    return torch.cuda.get_rng_state(device) if torch.cuda.is_initialized() else torch.initial_seed()
+
+
+def generator_state(device: torch.device, recorded: Tensor | int) -> Tensor:
+    """The state of ``device``'s generator that ``rng_state`` recorded: a seed becomes the state of a generator of
+    ``device`` seeded with it (which, for a CUDA device, initializes CUDA: a rank's work, in setup)."""
+    if isinstance(recorded, Tensor):
+        return recorded
+    return torch.Generator(device).manual_seed(recorded).get_state()
 
 
 def _set_rng_state(device: torch.device, state: Tensor) -> None:

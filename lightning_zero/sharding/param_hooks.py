@@ -258,8 +258,10 @@ class ShardedParams:
         collective at once and checks the swap before waiting on it (``Pending.guard``). The steps before were
         checked, so every rank starts a step expecting the same sequence: where two ranks are about to issue different
         collectives, at least one of them leaves the expected sequence, checks before issuing and raises, and the
-        mismatched pair is never issued. A rank that issued only part of the expected sequence (it ended its step
-        early) expects nothing in the next step, so its next collective is checked first too."""
+        mismatched pair is never issued. The collective the other rank did issue has no counterpart, so under NCCL a
+        rank aborts the group before raising (``Collectives.abort``): that collective ends at once instead of at the
+        process-group timeout. A rank that issued only part of the expected sequence (it ended its step early) expects
+        nothing in the next step, so its next collective is checked first too."""
         self._announced += 1
         mine = [self._KINDS.index(kind), unit.index, self._announced]
         position = len(self._sequence)
@@ -274,13 +276,15 @@ class ShardedParams:
         for rank, theirs in enumerate(everyone):
             if theirs != mine:
                 units = {u.index: u for u in self.all_units}
-                raise RankDivergenceError(
+                error = RankDivergenceError(
                     f"ranks diverged under zero3: this rank (rank {self.comms.rank}) is about to {kind} "
                     f"{unit} (unit collective #{mine[2]} of this step), rank {rank} to "
                     f"{self._KINDS[theirs[0]]} {units[theirs[1]]} (#{theirs[2]}). Every rank must run the same units "
                     "in the same order: run the branch on every rank, or make the modules it skips part of the root "
                     "unit (units=...)"
                 )
+                self.comms.abort()  # a collective issued before this check has no counterpart on the other ranks
+                raise error
 
     # ------------------------------------------------------------------------------------------------------ steps
 

@@ -4,18 +4,26 @@ which unit they move for each unit collective and fail, on every rank, naming bo
 
 A rank waits for that check before issuing only where it leaves the sequence of the steps before; otherwise the check
 runs beside the collective (param_hooks.py, [Note: ranks that run different units]). Both paths are tested: a branch
-taken from the first step, and one taken after the ranks have settled into checking beside the collectives."""
+taken from the first step, and one taken after the ranks have settled into checking beside the collectives.
+
+There a rank has already issued the collective its peer will never match: under NCCL it would spin until the
+process-group timeout, so each rank aborts the group before raising (collectives.py, [Note: ending collectives no
+peer will match]). With NCCL faked on gloo (the group's device served by "nccl", gloo's algorithms still running,
+``ProcessGroup.abort`` recorded instead of done), every rank aborts once before its error propagates; on gloo none."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.sharding.collectives import Collectives
+from lightning_zero.sharding.unit_state import RankDivergenceError
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, make_trainer
 
@@ -74,3 +82,36 @@ def test_ranks_running_different_units_fail_fast_naming_both(from_step: int) -> 
     assert "RankDivergenceError: ranks diverged under zero3" in message
     assert "unit 'lm.blocks.1'" in message and "unit 'lm.blocks.0'" in message
     assert time.perf_counter() - started < 30
+
+
+def _diverge_recording_aborts(from_step: int, world_size: int, nccl: bool) -> tuple[str, list[bool]]:
+    """The error this rank's divergent fit raised, and for each group abort, whether no exception was propagating yet
+    (``ProcessGroup.abort`` recorded, not done: the fork ends after this fit)."""
+    aborts: list[bool] = []
+    dist.ProcessGroup.abort = lambda group: aborts.append(sys.exc_info() == (None, None, None))
+    if nccl:
+        init = Collectives.__init__
+
+        def served_by_nccl(self, *args, **kwargs) -> None:
+            init(self, *args, **kwargs)
+            self.device_backend = "nccl"  # only the backend flag: the algorithms stay gloo's (self.native)
+
+        Collectives.__init__ = served_by_nccl
+    try:
+        _fit(from_step, world_size, steps=4)
+    except RankDivergenceError as err:
+        return str(err).split(":")[0], aborts
+    raise AssertionError("the fit did not raise RankDivergenceError")
+
+
+@pytest.mark.parametrize(
+    ("from_step", "backend"),
+    [(0, "nccl"), (2, "nccl"), (2, "gloo")],
+    ids=["first-step-nccl", "after-settling-nccl", "after-settling-gloo"],
+)
+def test_under_nccl_every_rank_aborts_the_group_before_its_error_propagates(from_step: int, backend: str) -> None:
+    results = run_on_ranks(
+        lambda rank, world_size: _diverge_recording_aborts(from_step, world_size, backend == "nccl"), 2, timeout_s=60
+    )
+    expected = [True] if backend == "nccl" else []
+    assert results == [("ranks diverged under zero3", expected)] * 2

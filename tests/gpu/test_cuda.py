@@ -1,13 +1,18 @@
 """One CUDA device: ZeRO's CUDA paths (device placement, meta-device init on the GPU, fp16 with real loss scaling,
-sharded checkpoints of CUDA tensors) against Lightning's single-device training. Skipped without a GPU.
+sharded checkpoints of CUDA tensors) against Lightning's single-device training; a zero3 fork from a process that
+never initialized CUDA; ZeroMonitor's event timing. Skipped without a GPU (the offload modes: test_offload.py).
 
-Every test runs twice: with the world-size-1 short cut, and with the collectives really issued
+Each parity test runs twice: with the world-size-1 short cut, and with the collectives really issued
 (``shortcut_single_rank=False``), so that one GPU executes every NCCL call the library makes (reduce-scatters,
 all-gathers, all-reduces of norms and flags, broadcasts, the checkpoint's collectives). Two NCCL ranks cannot share
 one GPU, so world size 1 with real collectives is how a single GPU proves the NCCL paths."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -20,6 +25,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import consolidate
+from lightning_zero.monitor import ZeroMonitor
+from lightning_zero.sharding.materialize import generator_state
 from tests.distributed.semantics_models import ConvNet
 from tests.models import Recorder, StepSeededLM, flat_params
 
@@ -126,3 +133,39 @@ def test_sync_batchnorm_on_the_gpu(stage: int, collectives: str) -> None:
     for name in ("running_mean", "running_var"):
         torch.testing.assert_close(getattr(trainer.lightning_module.bn, name).cpu(),
                                    getattr(want_trainer.lightning_module.bn, name).cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_recorded_seed_makes_the_state_the_cuda_generator_gets_from_that_seed() -> None:
+    # What setup does with the seed a launching process without CUDA recorded (sharding/materialize.py).
+    device = torch.device("cuda", 0)
+    torch.manual_seed(5)
+    seeded = torch.cuda.get_rng_state(device)
+    torch.manual_seed(6)
+    assert torch.equal(generator_state(device, 5), seeded)
+
+
+def test_zero3_fork_from_a_process_that_never_initialized_cuda(tmp_path: Path) -> None:
+    # A fresh interpreter (this one has initialized CUDA): init_module() and the fork leave its CUDA uninitialized,
+    # Lightning forks the rank, and the rank materializes what an eager build on the GPU draws from the same seed.
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    job = subprocess.run([sys.executable, str(repo / "tests" / "gpu" / "fork_job.py"), str(tmp_path)], cwd=repo,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert json.loads(job.stdout.strip().splitlines()[-1]) == {
+        "cuda_initialized_before_fit": False,
+        "cuda_initialized_after_fit": False,
+        "materialized_equals_eager": True,
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_monitor_times_gpu_steps_with_events(stage: int) -> None:
+    # CUDA events on the compute stream, read once the device passed them (monitor.py, [Note: timing a step on a GPU]).
+    monitor = ZeroMonitor()
+    trainer = pl.Trainer(strategy=_zero(stage, "nccl"), accelerator="cuda", devices=1, max_steps=6, callbacks=[monitor],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(StepSeededLM())
+    summary = monitor.summary
+    assert summary is not None and summary.steps == 6 and summary.steps_timed == 5
+    assert all(step.seconds > 0 for step in monitor._steps) and summary.throughput > 0

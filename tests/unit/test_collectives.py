@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import BackendConfig
 
 from lightning_zero.sharding.collectives import CollectiveDeviceError, Collectives
 from lightning_zero.sharding.flat_param import Bucket, shard_parameters
@@ -86,3 +88,58 @@ def test_buffer_pool_hands_out_the_smallest_buffer_that_fits() -> None:
     pool.give(torch.empty(9))  # beyond `limit` free buffers: dropped
     assert sorted(b.numel() for b in pool.buffers()) == [7, 30]
     assert pool.take(4, torch.float64).dtype == torch.float64  # one set of buffers per dtype
+
+
+def fake_process_group(monkeypatch: pytest.MonkeyPatch, backend: str, world_size: int = 2) -> None:
+    """torch.distributed as rank 0 of an initialized group whose backend string is ``backend``, without processes:
+    the backend config is the one torch resolves from that string."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: dist.Backend(backend))
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: str(BackendConfig(dist.Backend(backend))))
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "served_by"),
+    [
+        ("cpu:gloo,cuda:nccl", "cuda:0", "nccl"),  # the composite backend: NCCL serves the CUDA tensors
+        ("cpu:gloo,cuda:nccl", "cpu", "gloo"),
+        ("nccl", "cuda:0", "nccl"),
+        ("gloo", "cuda:0", "gloo"),  # CUDA tensors on gloo: gloo's algorithms
+        ("gloo", "cpu", "gloo"),
+    ],
+)
+def test_the_native_algorithms_follow_the_backend_that_serves_the_device(
+    monkeypatch: pytest.MonkeyPatch, backend: str, device: str, served_by: str
+) -> None:
+    fake_process_group(monkeypatch, backend)
+    comms = Collectives(device=torch.device(device))
+    assert (comms.device_backend, comms.native) == (served_by, served_by == "nccl")
+    assert comms.backend == backend and not comms.local
+
+
+def test_a_device_the_backend_does_not_serve_is_refused_naming_what_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_process_group(monkeypatch, "nccl")
+    with pytest.raises(CollectiveDeviceError) as err:
+        Collectives(device=torch.device("cpu"))
+    assert str(err.value) == "the process group (nccl) serves cuda tensors (nccl), but the model is on cpu"
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "aborts"),
+    [("nccl", "cuda:0", 1), ("cpu:gloo,cuda:nccl", "cuda:0", 1), ("cpu:gloo,cuda:nccl", "cpu", 0), ("gloo", "cuda:0", 0)],
+)
+def test_abort_ends_the_group_only_where_nccl_serves_its_device(
+    monkeypatch: pytest.MonkeyPatch, backend: str, device: str, aborts: int
+) -> None:
+    class Group:  # records ProcessGroup.abort
+        aborted = 0
+
+        def abort(self) -> None:
+            self.aborted += 1
+
+    fake_process_group(monkeypatch, backend)
+    group = Group()
+    Collectives(device=torch.device(device), group=group).abort()
+    assert group.aborted == aborts

@@ -64,3 +64,93 @@ def test_report_gives_each_placement_measured_and_modelled():
     old = {k: v for k, v in SUMMARY.__dict__.items() if k not in ("placement", "predicted_placement")}
     assert MonitorSummary.from_json(MonitorSummary(**old).to_json()).placement is None
     assert "where they live" not in format_report(SUMMARY)
+
+
+class RecordingCuda:
+    """``torch.cuda`` as ZeroMonitor meets it on a GPU, recorded: events on one stream, whose device time the test
+    sets (``now_ms``) and which have completed only once the device passed them (``device_passes_everything``, or
+    waiting on a later one); reading one before raises, as CUDA's "device not ready" does. And ``synchronize`` calls."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now_ms = 0.0
+        self.events: list = []
+        self.synchronized: list = []
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.stream = self.at_ms = None
+                self.completed = self.waited = False
+                cuda.events.append(self)
+
+            def record(self, stream=None) -> None:
+                self.stream, self.at_ms = stream, cuda.now_ms
+
+            def query(self) -> bool:
+                return self.completed
+
+            def synchronize(self) -> None:  # the stream ran up to here: every event recorded before it completed
+                self.waited = True
+                for event in cuda.events[: cuda.events.index(self) + 1]:
+                    event.completed = True
+
+            def elapsed_time(self, end) -> float:
+                if not (self.completed and end.completed):
+                    raise RuntimeError("CUDA error: device not ready")
+                return end.at_ms - self.at_ms
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("compute stream", device))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.synchronized.append(device))
+
+    def device_passes_everything(self) -> None:
+        for event in self.events:
+            event.completed = True
+
+
+class LoggingModule(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.device = torch.device("cpu")
+        self.logged: list[dict] = []
+
+    def log_dict(self, figures: dict, **kwargs) -> None:
+        self.logged.append(figures)
+
+
+def test_on_a_gpu_steps_are_timed_by_events_without_synchronizing(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from lightning_zero.memory import ModelStateBytes
+
+    cuda = RecordingCuda(monkeypatch)
+    gpu = torch.device("cuda", 0)
+    strategy = SimpleNamespace(
+        root_device=gpu, comm_stats=SimpleNamespace(total_bytes=0),
+        model_state_bytes=lambda: ModelStateBytes(100, 100, 200), reduce=lambda tensor, reduce_op: tensor,
+    )
+    trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=2, precision="32-true")
+    module, monitor, batch = LoggingModule(), ZeroMonitor(), torch.zeros(2, 8, dtype=torch.long)  # 16 tokens
+    monitor.on_fit_start(trainer, module)
+
+    def step(start_ms: float, end_ms: float) -> dict:
+        cuda.now_ms = start_ms
+        monitor.on_train_batch_start(trainer, module, batch, trainer.global_step)
+        cuda.now_ms, trainer.global_step = end_ms, trainer.global_step + 1
+        strategy.comm_stats.total_bytes += 1000
+        monitor.on_train_batch_end(trainer, module, None, batch, trainer.global_step - 1)
+        return module.logged[-1]
+
+    first = step(0, 100)  # the device has not passed its events yet: no throughput, nothing waited for
+    assert "zero/tokens_per_s" not in first and first["zero/comm_bytes_per_step"] == 1000.0
+    cuda.device_passes_everything()
+    assert step(100, 150)["zero/tokens_per_s"] == 16 * 2 / 0.100  # the first step's, read once the device passed it
+    cuda.device_passes_everything()
+    assert step(150, 250)["zero/tokens_per_s"] == 16 * 2 / 0.050
+    monitor.on_train_end(trainer, module)  # waits for the last event only
+    assert cuda.synchronized == []
+    assert [e.waited for e in cuda.events] == [False] * 5 + [True]
+    assert {e.stream for e in cuda.events} == {("compute stream", gpu)}
+    assert [s.seconds for s in monitor._steps] == [0.1, 0.05, 0.1]
+    assert monitor.summary.throughput == (640 + 320) / 2  # the median over the steps after the first
