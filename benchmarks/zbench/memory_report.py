@@ -1,18 +1,16 @@
 """The whole-run memory report of ``benchmarks/memory_phases.py``: the measured peak of every phase beside the memory
 model's formula for it (``lightning_zero.estimate.peak_estimate``), the findings (a lightning_zero phase more than
-10% over its formula), and the tables that go into BENCHMARKS.md."""
+10% over its formula), and the tables that go into BENCHMARKS.md (``report.memory_section``)."""
 
 from __future__ import annotations
 
 import os
-import re
 
 #: The memory model's option each approach is measured against (peers: the ZeRO stage they implement).
 OPTIONS = {"lit_ddp": "ddp", "fsdp2": "zero3", "ds_z1": "zero1", "ds_z2": "zero2", "ds_z3": "zero3"}
 PHASES = ("import_build", "setup", "first_step", "steady_step", "checkpoint_save", "teardown", "load_resume")
 #: A phase this far over its formula is a finding.
 TOLERANCE = 1.10
-MARKERS = ("<!-- memory-phases:start -->", "<!-- memory-phases:end -->")
 
 
 def option_of(approach: str) -> str:
@@ -133,22 +131,12 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(results: dict, out: str, bench_md: str | None = None) -> int:
+def write(results: dict, out: str) -> None:
     text = render(results)
     print(text, flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         f.write(text)
-    if bench_md:
-        with open(bench_md) as f:
-            current = f.read()
-        start, end = MARKERS
-        pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-        if not pattern.search(current):
-            raise SystemExit(f"--bench-md={bench_md!r}: it has no {start} ... {end} section to replace")
-        with open(bench_md, "w") as f:
-            f.write(pattern.sub(lambda _: f"{start}\n{text}{end}", current))
-    return 0
 
 
 def _label(row: dict) -> str:
