@@ -82,6 +82,9 @@ def _measure_in_this_process(
     params = list(model.parameters())
     element_bytes = params[0].element_size() if params else 4
     grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    # A first pass loads what a step loads once (kernels, autograd's workers): in neither measured peak.
+    warm = torch.randint(0, vocab_size, (1, seq_len + 1), device=device)
+    _next_token_loss(model(warm[:, :-1]), warm[:, 1:]).backward()
     rises = []
     for batch in BATCHES:
         tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)

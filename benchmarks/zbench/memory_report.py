@@ -53,7 +53,8 @@ def rows(results: dict) -> list[dict]:
                 expected = formula["phases"][phase] if formula else None
                 row["phases"][phase] = dict(hwm=worst["hwm"], anon=worst["anon"], file=worst["file"],
                                             formula=expected, ratio=worst["hwm"] / expected if expected else None)
-            row["peak"] = max(r["peak"] for r in job["ranks"])
+            # The largest phase: ru_maxrss cannot serve, since resetting VmHWM (clear_refs) resets it too.
+            row["peak"] = max(f["hwm"] for f in row["phases"].values())
             row["predicted"] = formula["peak"] if formula else None
         out.append(row)
     return out

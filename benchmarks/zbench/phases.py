@@ -30,7 +30,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -335,7 +334,7 @@ def main(spec: dict) -> None:
     PROBE.close()
     phases = {k: v for k, v in PROBE.phases.items() if k != "between"}
     record = dict(approach=approach.name, rank=rank, world=world, baseline=baseline, phases=phases,
-                  peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resettable=PROBE.resettable,
+                  peak=max(p["hwm"] for p in PROBE.phases.values()), resettable=PROBE.resettable,
                   **info)
     out = os.path.join(spec["outdir"], f"{approach.name}{'.resume' if spec.get('resume') else ''}.rank{rank}.json")
     with open(out + ".tmp", "w") as f:
