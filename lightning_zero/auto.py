@@ -55,6 +55,9 @@ class AutoStrategy:
         offload_dir: the directory disk offload would write into (its free space, divided by the node's ranks, is the
             disk budget), passed to the chosen strategy; ``None``: the system's temporary directory.
         bucket_mb, start_method: passed to the chosen strategy.
+        measure: run one real step of the model on a tiny batch first (``step_measure.measure_step``) and choose from
+            each option's whole peak per rank (``estimate.peak_estimate``: activations at the run's batch, gathered
+            units, buckets, the optimizer's workspace and, on CPU, the process itself), not from its model states.
     """
 
     budget_gb: float = 4.0
@@ -64,6 +67,7 @@ class AutoStrategy:
     offload_dir: str | None = None
     bucket_mb: float = 25.0
     start_method: str = "popen"
+    measure: bool = False
 
     def __post_init__(self) -> None:
         _check_amount("budget_gb", self.budget_gb, "GiB", zero_allowed=False)
@@ -71,8 +75,9 @@ class AutoStrategy:
         if self.host_budget_gb is not None:
             _check_amount("host_budget_gb", self.host_budget_gb, "GiB", zero_allowed=False)
         _check_amount("bucket_mb", self.bucket_mb, "MiB", zero_allowed=False)
-        if not isinstance(self.offload, bool):
-            raise AutoStrategyError(f"offload={self.offload!r} is invalid: it must be true or false")
+        for flag in ("offload", "measure"):
+            if not isinstance(getattr(self, flag), bool):
+                raise AutoStrategyError(f"{flag}={getattr(self, flag)!r} is invalid: it must be true or false")
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise AutoStrategyError(f"offload_dir={self.offload_dir!r} is invalid: it must be a directory path")
 
@@ -92,11 +97,13 @@ def choose(
     accelerator: str = "auto",
     devices: Any = "auto",
     num_nodes: int = 1,
+    step: estimate.PeakInputs | None = None,
 ) -> AutoChoice:
     """The option ``estimate.recommend`` picks for a model of ``counts`` parameters on the run's devices.
 
-    ``accelerator``, ``devices`` and ``num_nodes`` are the run's ``Trainer`` arguments. A re-run rank takes the
-    launching process's choice (see [Note: strategy=auto across ranks]).
+    ``accelerator``, ``devices`` and ``num_nodes`` are the run's ``Trainer`` arguments; ``step`` a measured step of
+    the model (``measured_step``), to choose from each option's whole peak. A re-run rank takes the launching
+    process's choice (see [Note: strategy=auto across ranks]).
     """
     inherited = os.environ.get(AUTO_ENV)
     if inherited is not None:
@@ -121,10 +128,32 @@ def choose(
         auto.bucket_mb,
         counts.trainable,
         options=available_options(auto.offload),
+        peak=step,
     )
     if recommendation.choice is None:
         raise AutoStrategyError(f"strategy=auto: {recommendation.explain()}")
     return AutoChoice(recommendation.choice, recommendation.explain())
+
+
+def measured_step(
+    auto: AutoStrategy, model: Any, batch_size: int, seq_len: int, accelerator: str = "auto"
+) -> estimate.PeakInputs | None:
+    """With ``auto.measure``, one real step of ``model`` (a ``LanguageModel``: its ``model_config`` builds the
+    network, built in ``configure_model``) on a tiny batch, and the run's sequences per rank and step; else, and in a
+    re-run rank (which takes its parent's choice), None."""
+    if not auto.measure or AUTO_ENV in os.environ:
+        return None
+    from lightning_zero.step_measure import measure_step
+
+    config = getattr(model, "model_config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        raise AutoStrategyError(
+            "strategy.measure=true needs a model whose model_config has a vocab_size (a LanguageModel's GPTConfig "
+            "or HFModelConfig)"
+        )
+    device = "cuda:0" if _on_cuda(accelerator) else "cpu"
+    return estimate.PeakInputs(measure_step(config, vocab, seq_len, device), batch_size, eager=False)
 
 
 def build(option: str, auto: AutoStrategy) -> Any:

@@ -34,14 +34,36 @@ In a run whose training device is the host (CPU), disk offload of stage 2 or 3 a
 files (``host_run``), and reads them with their sub-group. ``recommend`` checks
 the device budget against the device bytes and buckets, the host budget against the host states and buffers, the disk
 budget against the files.
+
+[Note: the peak of a run]
+What a rank holds at its peak is more than its model states, and a run meets its peak in one of its phases
+(``PHASES``): building the model, the strategy's setup, the steps, a checkpoint save, the teardown, a resume.
+``peak_estimate`` adds, phase by phase, to the model states that live in memory (``estimate``; disk offload's files
+only through the sub-groups it keeps resident):
+
+* the baseline: what the process holds before its model exists (the interpreter, torch, Lightning; on a CPU run
+  about 0.3 GiB), measured (``step_measure.StepMeasure``); 0 on CUDA, whose context is outside the allocator;
+* the eager model: the full model as built (4Ψ in fp32), until setup has sharded it (stage 3) or as the parameters
+  themselves (DDP, stages 1-2); stage 3 under ``configure_model`` materializes one unit at a time instead;
+* the communication buckets (``bucket_mb``), and under stage 3 the gathered units in flight: the root unit (gathered
+  for the whole step), the unit computing and ``prefetch`` more, and one unit of full gradients being reduced;
+* the activations at the run's micro-batch, measured on one real step at two tiny batches and scaled;
+* the optimizer step's workspace: torch's foreach Adam makes one fp32 temporary per element it updates (the square
+  root of the second moment: 4Ψ/N under ZeRO, 4Ψ under DDP); offload steps one group of ``bucket_mb`` at a time.
+
+Setup adds to the eager model what it allocates: DDP its gradient buckets, stage 3 the parameter shards and one
+unit, offload the fp32 masters. Memory freed after a step stays with the process (glibc's heap on a CPU, the
+caching allocator on CUDA), so a checkpoint save and the teardown start from the step's peak; stage 3's teardown
+gathers the full model back into the module (4Ψ). A resumed job peaks at the larger of its setup and its step.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_zero import config
+from lightning_zero.step_measure import StepMeasure
 
 
 @dataclass(frozen=True)
@@ -123,6 +145,9 @@ class MemoryEstimate:
     disk: int = 0
     #: Host memory offload needs besides the states: staging buffers, disk offload's resident sub-groups.
     host_buffers: int = 0
+    #: What the run's peak holds beyond the model states and buckets (``with_peak``: the process baseline,
+    #: activations, gathered units, the optimizer's workspace, the eager model); 0 when no step was measured.
+    workspace: int = 0
 
     @property
     def model_states(self) -> int:
@@ -135,8 +160,9 @@ class MemoryEstimate:
 
     @property
     def device(self) -> int:
-        """What the training device holds: the model states not offloaded, and the buckets."""
-        return self.total - self.host - self.disk
+        """What the training device holds at the peak: the model states not offloaded, the buckets and, once a step
+        was measured (``with_peak``), everything else the peak holds."""
+        return self.total - self.host - self.disk + self.workspace
 
     @property
     def host_total(self) -> int:
@@ -326,19 +352,29 @@ def recommend(
     trainable_params: int | None = None,
     options: tuple[str, ...] = OPTIONS,
     offload: config.OffloadConfig | None = None,
+    peak: PeakInputs | None = None,
 ) -> Recommendation:
     """The first of ``options`` (least complex first: ddp < zero1 < zero2 < zero3, then host offload, then disk
     offload) whose bytes fit ``budget``: a ``Budget``, or the device bytes alone (no offload considered).
 
     ``options`` restricts the choice, e.g. to the stages implemented in this release. An option is considered only
-    when every placement it needs has a budget (``Budget.offers``).
+    when every placement it needs has a budget (``Budget.offers``). With ``peak`` (a measured step), an option's
+    device bytes are its whole peak per rank (``peak_estimate``), not its model states alone.
     """
     if not options:
         raise EstimateError(f"options=() is invalid: name at least one of {', '.join(OPTIONS)}")
     if not isinstance(budget, Budget):
         budget = Budget(budget)
     ordered = tuple(o for o in OPTIONS if o in options)
-    estimates = estimate_all(num_params, ranks, precision, bucket_mb, trainable_params, ordered, offload)
+
+    def estimate_at(option: str, n: int) -> MemoryEstimate:
+        e = estimate(option, num_params, n, precision, bucket_mb, trainable_params, offload)
+        if peak is None:
+            return e
+        return with_peak(e, peak_estimate(option, num_params, n, peak.measure, peak.batch, precision, bucket_mb,
+                                          trainable_params, offload, peak.eager, shared_host=budget.shared_host))
+
+    estimates = tuple(estimate_at(o, ranks) for o in ordered)
     for e in estimates:
         if budget.fits(e):
             return Recommendation(e.option, budget, estimates)
@@ -350,10 +386,115 @@ def recommend(
         )
 
     def fits_at(n: int) -> bool:
-        return budget.fits(estimate(considered[-1].option, num_params, n, precision, bucket_mb, trainable_params,
-                                    offload))
+        return budget.fits(estimate_at(considered[-1].option, n))
 
     return Recommendation(None, budget, estimates, _min_ranks_to_fit(fits_at, ranks))
+
+
+#: The phases of a run whose peak memory ``peak_estimate`` predicts (benchmarks/memory_phases.py measures the same).
+PHASES = ("import_build", "setup", "first_step", "steady_step", "checkpoint_save", "teardown", "load_resume")
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """The memory one rank reaches in each phase of a run (see [Note: the peak of a run]), and the model states of
+    ``states`` it is built on. On a CPU run every byte is host memory; on CUDA ``phases`` is the device's."""
+
+    states: MemoryEstimate
+    phases: dict[str, int]
+    #: The terms of the formula: baseline, eager model, states in memory, buckets, gathered units, activations,
+    #: the optimizer step's workspace.
+    terms: dict[str, int]
+    #: Whether the device is host memory (a CPU run): ``phases`` then counts the host's bytes too.
+    shared_host: bool = True
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
+
+def peak_estimate(
+    option: str,
+    num_params: int,
+    ranks: int,
+    measure: StepMeasure,
+    batch: int,
+    precision: str = "32-true",
+    bucket_mb: float = 25.0,
+    trainable_params: int | None = None,
+    offload: config.OffloadConfig | None = None,
+    eager: bool = True,
+    prefetch: int = 1,
+    shared_host: bool = True,
+) -> PeakEstimate:
+    """The peak memory per rank in each phase of a run of ``option`` (see [Note: the peak of a run]): ``measure``
+    is one measured step of the model (``step_measure.measure_step``), ``batch`` the sequences per rank and step,
+    ``eager`` whether the model is built in full before setup (in ``__init__``; stage 3 under ``configure_model``
+    materializes shards only), ``shared_host`` whether the device is host memory (a CPU run)."""
+    e = estimate(option, num_params, ranks, precision, bucket_mb, trainable_params, offload)
+    layout = LAYOUTS[option]
+    trainable = _check_counts(num_params, ranks, trainable_params)
+    optim_elements = _elements_per_rank(trainable, ranks, layout.stage >= 1)
+    working = _bytes_per_element(precision)[0]
+    in_memory = e.model_states - e.disk + (e.host_buffers - _staging(e, layout, working, optim_elements)
+                                          if shared_host else 0)
+    if not shared_host:
+        in_memory = e.device - e.buckets
+    unit = measure.unit_elements * working
+    terms = {
+        "baseline": measure.baseline if shared_host else 0,
+        "eager": num_params * measure.element_bytes if eager or layout.stage < 3 else unit,
+        "states": in_memory,
+        "buckets": e.buckets,
+        "units": (measure.root_unit_elements * working + (prefetch + 2) * unit) if layout.stage == 3 else 0,
+        "activations": measure.activations(batch),
+        "workspace": 4 * optim_elements if layout.offload_optimizer is None else
+        min(e.buckets, 4 * optim_elements) if shared_host else 0,
+    }
+    t = terms
+    step = t["baseline"] + t["states"] + t["buckets"] + t["units"] + t["activations"] + t["workspace"]
+    made_at_setup = {0: e.grads, 3: (0 if layout.offload_params == "disk" else e.params) + unit}
+    masters = 4 * optim_elements if layout.offload_optimizer is not None else 0
+    setup = t["baseline"] + t["eager"] + made_at_setup.get(layout.stage, 0) + masters
+    full_model = num_params * measure.element_bytes if layout.stage == 3 else 0
+    phases = {
+        "import_build": t["baseline"] + t["eager"],
+        "setup": setup,
+        "first_step": step,
+        "steady_step": step,
+        "checkpoint_save": step,
+        "teardown": step + full_model,
+        "load_resume": max(setup, step),
+    }
+    return PeakEstimate(e, phases, terms, shared_host)
+
+
+@dataclass(frozen=True)
+class PeakInputs:
+    """What ``peak_estimate`` needs beyond the model-state inputs: the measured step, the sequences per rank and
+    step, whether the model is built eagerly."""
+
+    measure: StepMeasure
+    batch: int
+    eager: bool = False
+
+
+def with_peak(e: MemoryEstimate, peak: PeakEstimate) -> MemoryEstimate:
+    """``e`` with its ``workspace`` set so that its device bytes (with its host bytes, where the device is host
+    memory and ``peak`` counted both) are ``peak``'s peak."""
+    counted = e.device + (e.host_total if peak.shared_host else 0)
+    return replace(e, workspace=max(0, peak.peak - counted))
+
+
+def _staging(e: MemoryEstimate, layout: Layout, working: int, elements: int) -> int:
+    """The staging part of ``e.host_buffers``: a CPU run holds none (its gradients are host memory already)."""
+    if layout.offload_optimizer is None:
+        return 0
+    return working * elements * (1 if layout.offload_params is not None else 2)
 
 
 def communication_bytes(

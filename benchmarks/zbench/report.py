@@ -547,10 +547,30 @@ def render(results: dict, summary: dict, plot_rel: str | None) -> str:
     if failed:
         lines += ["## Failed runs", ""] + [f"- {r['config']} {r['approach']} round {r['round']}: exit codes "
                                            f"{r['codes']}: `{r.get('error', '')[:300]}`" for r in failed] + [""]
+    if os.path.exists(MEMORY_RESULTS) and not results.get("quick"):
+        lines += memory_section()
     if os.path.exists(FINDINGS) and not results.get("quick"):
         with open(FINDINGS) as f:
             lines += [f.read().rstrip(), ""]
     return "\n".join(lines)
+
+
+MEMORY_RESULTS = os.path.join(HERE, "results", "memory_phases.json")
+
+
+def memory_section() -> list[str]:
+    """The last ``benchmarks/memory_phases.py`` run (whole-run memory per phase), rendered by ``memory_report``."""
+    import json
+
+    from zbench import memory_report
+
+    with open(MEMORY_RESULTS) as f:
+        text = memory_report.render(json.load(f))
+    return ["## Whole-run memory per phase (`benchmarks/memory_phases.py`)", "",
+            "Every lightning_zero stage and offload mode beside Lightning DDP, FSDP2 and DeepSpeed, measured in one "
+            "run of `benchmarks/memory_phases.py` (its own run, separate from the timings above; re-run it after a "
+            "change to the library's memory, then `compare.py --report-only benchmarks/results/full.json`).", "",
+            text.rstrip(), ""]
 
 
 GPU_RESULTS = os.path.join(HERE, "results", "gpu.json")

@@ -56,12 +56,28 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--offload-dir", default=None, help="where disk offload would write (default: temp directory)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one host (default: --ranks)")
     parser.add_argument("--no-offload", action="store_true", help="consider only the options without offload")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="with --model or --recipe: run one real step of the model on a tiny batch (in a fresh process, on this "
+        "machine's CPU or GPU 0) and predict each option's whole peak per rank: the process baseline, activations "
+        "scaled to --batch-size, gathered units, buckets and the optimizer's workspace besides the model states",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="with --measure: sequences per rank and step (default: the "
+        "config's data.batch_size)"
+    )
+    parser.add_argument(
+        "--eager", action="store_true", help="with --measure: the model is built in full before setup (in "
+        "__init__), so stage 3 holds it until it is sharded (default: built in configure_model, as LanguageModel does)"
+    )
     parser.set_defaults(run=estimate_command)
 
 
 def estimate_command(args: argparse.Namespace) -> int:
     total, trainable, what = _estimate_size(args)
     ranks = args.ranks if args.ranks is not None else _default_ranks()
+    peak = _measured_step(args) if args.measure else None
     try:
         if args.trainable is not None:
             trainable = estimate.parse_count(args.trainable)
@@ -69,13 +85,21 @@ def estimate_command(args: argparse.Namespace) -> int:
         budget = _rank_budget(args, ranks)
         estimates = estimate.estimate_all(total, ranks, args.precision, args.bucket_mb, trainable, options)
         recommendation = (
-            estimate.recommend(total, ranks, budget, args.precision, args.bucket_mb, trainable, options)
+            estimate.recommend(total, ranks, budget, args.precision, args.bucket_mb, trainable, options, peak=peak)
             if budget is not None
             else None
         )
+        shared_host = not _on_cuda()
+        peaks = [
+            estimate.peak_estimate(o, total, ranks, peak.measure, peak.batch, args.precision, args.bucket_mb,
+                                   trainable, eager=peak.eager, shared_host=shared_host)
+            for o in options
+        ] if peak is not None else None
     except estimate.EstimateError as err:
         raise UsageError(str(err)) from None
     print(format_table(what, total, trainable, ranks, args.precision, estimates, budget))
+    if peaks is not None:
+        print("\n" + format_peaks(peaks, peak))
     if recommendation is None:
         print("\nno budget given (--budget-gb) and no GPU: no recommendation")
     else:
@@ -99,6 +123,48 @@ def _estimate_size(args: argparse.Namespace) -> tuple[int, int, str]:
     return counts.total, counts.trainable, f"{what} ({counts.total:,} parameters)"
 
 
+def _measured_step(args: argparse.Namespace) -> estimate.PeakInputs:
+    """One real step of the ``--model``/``--recipe`` model on a tiny batch (``step_measure``), and the run's batch."""
+    from lightning_zero.step_measure import measure_step
+
+    if args.params is not None:
+        raise UsageError("--measure needs --model or --recipe: a parameter count alone has no model to run")
+    cfg = compose([f"model={args.model}" if args.model is not None else f"recipe={args.recipe}"])
+    batch = args.batch_size if args.batch_size is not None else int(cfg.data.batch_size)
+    if batch < 1:
+        raise UsageError(f"--batch-size={batch} is invalid: it must be an integer >= 1")
+    model_config = instantiate("model", cfg.model).model_config
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is None:
+        raise UsageError(f"--measure: the model config {type(model_config).__name__} has no vocab_size")
+    units = tuple(cfg.strategy.get("units", ()) or ())
+    measure = measure_step(model_config, vocab, int(cfg.seq_len), "cuda:0" if _on_cuda() else "cpu", units)
+    return estimate.PeakInputs(measure, batch, args.eager)
+
+
+def format_peaks(peaks: list, inputs: estimate.PeakInputs) -> str:
+    """Each option's predicted peak per rank, the phase it comes in, and the terms it is made of."""
+    m, fmt = inputs.measure, estimate.format_bytes
+    lines = [
+        f"peak per rank, measured step: baseline {fmt(m.baseline)}, activations {fmt(m.activations(inputs.batch))} "
+        f"at {inputs.batch} sequences per rank, largest unit {m.unit_elements:,} elements; model built "
+        + ("eagerly" if inputs.eager else "in configure_model"),
+        "",
+        f"{'option':<22}{'peak':>11}  {'in phase':<16}" + "".join(f"{t:>12}" for t in peaks[0].terms),
+    ]
+    for p in peaks:
+        lines.append(f"{p.states.option:<22}{fmt(p.peak):>11}  {p.peak_phase:<16}"
+                     + "".join(f"{fmt(v):>12}" for v in p.terms.values()))
+    lines.append("terms: the formula of each phase adds them up (lightning_zero/estimate.py, [Note: the peak of a run])")
+    return "\n".join(lines)
+
+
+def _on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _rank_budget(args: argparse.Namespace, ranks: int) -> estimate.Budget | None:
     """The device budget, and with offload the host and disk budgets per rank (None: no device budget known)."""
     device = _estimate_budget(args.budget_gb)
@@ -106,6 +172,8 @@ def _rank_budget(args: argparse.Namespace, ranks: int) -> estimate.Budget | None
         return None
     if args.no_offload:
         return estimate.Budget(device)
+    # A measured peak on the CPU counts every byte of the process: there the device is host memory.
+    shared_host = args.measure and not _on_cuda()
     per_node = args.ranks_per_node if args.ranks_per_node is not None else ranks
     if per_node < 1:
         raise UsageError(f"--ranks-per-node={per_node} is invalid: it must be an integer >= 1")
@@ -119,7 +187,7 @@ def _rank_budget(args: argparse.Namespace, ranks: int) -> estimate.Budget | None
             disk = shutil.disk_usage(where).free // per_node or None
         except OSError as err:
             raise UsageError(f"--offload-dir={where!r} is invalid: {err.strerror}") from None
-    return estimate.Budget(device, host, disk)
+    return estimate.Budget(device, host, disk, shared_host=shared_host)
 
 
 def _estimate_budget(budget_gb: float | None) -> int | None:

@@ -192,7 +192,9 @@ def _build_job(cfg: Any) -> Job:
     strategy = instantiate("strategy", cfg.strategy)
     choice = None
     if isinstance(strategy, auto.AutoStrategy):
-        choice = _choose(strategy, counts, cfg.trainer, precision)
+        step = auto.measured_step(strategy, model, int(cfg.data.batch_size), int(cfg.seq_len),
+                                  str(cfg.trainer.get("accelerator", "auto")))
+        choice = _choose(strategy, counts, cfg.trainer, precision, step)
         strategy = auto.build(choice.option, strategy)
     check_before_launch(cfg, strategy, model)
     return Job(
@@ -207,7 +209,9 @@ def _build_job(cfg: Any) -> Job:
     )
 
 
-def _choose(strategy: auto.AutoStrategy, counts: Any, trainer_cfg: Any, precision: str) -> auto.AutoChoice:
+def _choose(
+    strategy: auto.AutoStrategy, counts: Any, trainer_cfg: Any, precision: str, step: Any = None
+) -> auto.AutoChoice:
     from omegaconf import OmegaConf
 
     trainer = OmegaConf.to_container(trainer_cfg, resolve=True)
@@ -219,6 +223,7 @@ def _choose(strategy: auto.AutoStrategy, counts: Any, trainer_cfg: Any, precisio
             accelerator=str(trainer.get("accelerator", "auto")),
             devices=trainer.get("devices", "auto"),
             num_nodes=trainer.get("num_nodes", 1),
+            step=step,
         )
     except auto.AutoStrategyError as err:
         raise UsageError(str(err)) from None

@@ -179,3 +179,56 @@ def test_gpu_mode_runs_on_cpu_at_a_tiny_size(tmp_path: Path) -> None:
         assert f"| {gpu.APPROACHES['single']} | " in text and " | 1.000 | " in text
         assert "size tiny, bf16-mixed, world size 1" in text
     assert sum(p.numel() for p in size.config.build().parameters()) == size.n_params  # the formula TFLOPS rely on
+
+
+def _memory_results(zero3_steady: int) -> dict:
+    """A results file of benchmarks/memory_phases.py with one lightning_zero job and one peer (bytes per phase)."""
+    from zbench.memory_report import PHASES
+
+    formula = {p: 1000 for p in PHASES}
+
+    def job(steady: int) -> dict:
+        phases = {p: dict(hwm=1000, anon=900, file=100) for p in PHASES}
+        phases["steady_step"] = dict(hwm=steady, anon=steady - 100, file=100)
+        return dict(ok=True, cgroup_peak=2 * steady, ranks=[dict(phases=phases, peak=steady)] * 2)
+
+    return dict(command="python benchmarks/memory_phases.py", model_name="gpt_large", world=2, started="now",
+                commit="abc", spec=dict(model=dict(n_layer=12, d_model=768, vocab_size=256, seq_len=128), batch=2,
+                                        steps=3, build="eager", subgroup_mb=16.0),
+                estimate=dict(params=85e6, measure=dict(baseline=1, activation_per_sample=2, activation_fixed=3,
+                                                        unit_elements=4, root_unit_elements=5),
+                              formulas={o: dict(phases=formula, peak=1000, terms={"baseline": 1}) for o in
+                                        ("zero3", "ddp")}),
+                jobs={"lz_zero3": job(zero3_steady), "lit_ddp": job(1500)})
+
+
+def test_memory_report_lists_a_lightning_zero_phase_over_its_formula_as_a_finding() -> None:
+    from zbench import memory_report
+
+    over = memory_report.render(_memory_results(zero3_steady=1150))
+    assert "zero3 steady_step: 0.00 GiB measured" in over and "(1.15x;" in over
+    assert "| DDP (Lightning) |" in over and "DDP" not in over.split("Findings")[1]  # peers are measured, not judged
+    within = memory_report.render(_memory_results(zero3_steady=1090))
+    assert within.rstrip().endswith("over its formula): none.")
+
+
+@pytest.mark.slow
+def test_memory_phases_quick_run(tmp_path: Path) -> None:
+    results_path = tmp_path / "memory.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "memory_phases.py"), "--quick", "--approaches", "lz_zero1,lz_zero3",
+         "--workdir", str(tmp_path), "--results", str(results_path)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads(results_path.read_text())
+    for name in ("lz_zero1", "lz_zero3"):
+        job = results["jobs"][name]
+        assert job["ok"] and len(job["ranks"]) == 2
+        for rank in job["ranks"]:
+            phases = rank["phases"]
+            assert set(phases) == {"import_build", "setup", "first_step", "steady_step", "checkpoint_save", "teardown",
+                                   "load_resume"}
+            # Each phase's peak is at least the interpreter's baseline and at most the process's lifetime peak.
+            assert all(rank["baseline"] <= p["hwm"] <= rank["peak"] for p in phases.values())
+            assert all(p["anon"] + p["file"] >= 0.9 * p["hwm"] for p in phases.values())

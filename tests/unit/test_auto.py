@@ -222,3 +222,26 @@ def test_bad_offload_settings_name_the_field():
         AutoStrategy(offload="yes")
     with pytest.raises(AutoStrategyError, match=r"^offload_dir='' is invalid: it must be a directory path$"):
         AutoStrategy(offload_dir="")
+
+
+def test_with_a_measured_step_auto_chooses_from_the_whole_peak(monkeypatch):
+    from lightning_zero import estimate
+    from lightning_zero.models import GPTConfig, LanguageModel
+    from lightning_zero.step_measure import StepMeasure
+
+    step = StepMeasure(baseline=0, activation_per_sample=8000, activation_fixed=0, unit_elements=100,
+                       root_unit_elements=0)
+    calls = []
+    monkeypatch.setattr("lightning_zero.step_measure.measure_step", lambda *args: calls.append(args) or step)
+    model = LanguageModel(GPTConfig(vocab_size=32, n_layer=1, n_head=1, d_model=8, seq_len=16))
+    # Model states alone, ddp's 16,000 bytes fit 17,000. From the peak (2 sequences of 8,000 bytes of activations,
+    # Adam's workspace of 4 bytes per element it updates) against 30,000: ddp 16,000 + 16,000 + 4,000 and zero1
+    # 13,024 + 16,000 + 2,000 do not fit, zero2 11,024 + 16,000 + 2,000 does.
+    assert auto.choose(AutoStrategy(budget_gb=17000 / 2**30, bucket_mb=BUCKET_MB, offload=False), PSI, "32-true",
+                       "cpu", 2).option == "ddp"
+    measuring = AutoStrategy(budget_gb=30000 / 2**30, bucket_mb=BUCKET_MB, offload=False, measure=True)
+    inputs = auto.measured_step(measuring, model, batch_size=2, seq_len=16, accelerator="cpu")
+    assert calls and calls[0][1:3] == (32, 16) and inputs == estimate.PeakInputs(step, 2, eager=False)
+    choice = auto.choose(measuring, PSI, "32-true", "cpu", 2, step=inputs)
+    assert choice.option == "zero2"
+    assert auto.measured_step(AutoStrategy(), model, 2, 16) is None  # measure=False: nothing runs

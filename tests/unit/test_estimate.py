@@ -3,7 +3,8 @@
 import pytest
 
 from lightning_zero import config, estimate
-from lightning_zero.estimate import EstimateError, MemoryEstimate
+from lightning_zero.estimate import EstimateError, MemoryEstimate, PeakInputs, peak_estimate
+from lightning_zero.step_measure import StepMeasure
 
 PSI = 1000
 
@@ -234,3 +235,62 @@ def test_layouts_name_the_strategy_options():
     # offload moves states, not traffic: the same bytes as the stage
     traffic = estimate.communication_bytes
     assert traffic("zero3_offload_disk", PSI, 4, 4) == traffic("zero3", PSI, 4, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the peak of a run ([Note: the peak of a run])
+# ---------------------------------------------------------------------------------------------------------------------
+
+MIB = 2**20
+STEP = StepMeasure(baseline=300 * MIB, activation_per_sample=10 * MIB, activation_fixed=4 * MIB,
+                   unit_elements=1_000_000, root_unit_elements=250_000)
+N_PARAMS = 8_000_000  # 32,000,000 bytes in fp32 (below: Ψ)
+
+
+def test_peak_of_a_zero3_step_adds_units_activations_and_the_adam_workspace():
+    p = peak_estimate("zero3", N_PARAMS, 2, STEP, batch=3, bucket_mb=1.0)
+    units = 4 * 250_000 + 3 * 4 * 1_000_000  # the root unit; the unit computing, one prefetched, one of gradients
+    step = 300 * MIB + 16 * N_PARAMS // 2 + MIB + units + (4 + 3 * 10) * MIB + 4 * N_PARAMS // 2
+    assert p.phases["first_step"] == p.phases["steady_step"] == step
+    assert p.phases["import_build"] == 300 * MIB + 4 * N_PARAMS  # the eager model
+    assert p.phases["setup"] == 300 * MIB + 4 * N_PARAMS + 4 * N_PARAMS // 2 + 4 * 1_000_000  # + the shards and one unit
+    assert p.phases["teardown"] == step + 4 * N_PARAMS  # the full model gathered back into the module
+    assert p.peak == step + 4 * N_PARAMS and p.peak_phase == "teardown"
+
+
+def test_peak_of_ddp_counts_its_gradient_buckets_at_setup_and_a_full_workspace():
+    p = peak_estimate("ddp", N_PARAMS, 2, STEP, batch=1)
+    assert p.phases["setup"] == 300 * MIB + 8 * N_PARAMS
+    assert p.phases["steady_step"] == 300 * MIB + 16 * N_PARAMS + 14 * MIB + 4 * N_PARAMS
+
+
+def test_stage3_built_in_configure_model_holds_one_unit_not_the_model():
+    p = peak_estimate("zero3", N_PARAMS, 2, STEP, batch=1, eager=False)
+    assert p.phases["import_build"] == 300 * MIB + 4 * 1_000_000
+
+
+def test_disk_offload_keeps_only_its_resident_subgroups_and_steps_a_group_at_a_time():
+    from lightning_zero.config import OffloadConfig
+
+    offload = OffloadConfig(offload_subgroup_mb=1.0)
+    p = peak_estimate("zero3_offload_disk", N_PARAMS, 2, STEP, batch=1, bucket_mb=1.0, offload=offload)
+    resident = 3 * 2**20 * (12 + 4) // 4  # three sub-groups of masters, their moments and parameter rows
+    assert p.terms["states"] == 4 * N_PARAMS // 2 + resident  # the gradient shards and the resident sub-groups
+    assert p.terms["workspace"] == MIB
+
+
+def test_on_cuda_the_peak_is_the_devices_without_the_process_baseline():
+    p = peak_estimate("zero1_offload", N_PARAMS, 2, STEP, batch=1, shared_host=False)
+    assert p.terms["baseline"] == 0 and p.terms["workspace"] == 0
+    assert p.terms["states"] == 4 * N_PARAMS + 4 * N_PARAMS  # the working parameters and the full gradients
+
+
+def test_recommend_from_the_measured_peak_shards_more_than_from_the_model_states():
+    budget = estimate.Budget(300 * MIB + 33 * N_PARAMS // 2, host=10**12, disk=10**12, shared_host=True)
+    assert estimate.recommend(N_PARAMS, 2, budget, bucket_mb=1.0).choice == "ddp"  # 16Ψ of model states fit
+    chosen = estimate.recommend(N_PARAMS, 2, budget, bucket_mb=1.0, peak=PeakInputs(STEP, batch=2))
+    # The peaks above the baseline: ddp 23.1Ψ, zero1 17.3Ψ, zero2 15.3Ψ (activations, buckets and the Adam
+    # workspace besides the model states) against 16.5Ψ: only zero2 fits.
+    assert chosen.choice == "zero2"
+    e = next(e for e in chosen.estimates if e.option == "zero2")
+    assert e.device + e.host_total == peak_estimate("zero2", N_PARAMS, 2, STEP, 2, bucket_mb=1.0).peak

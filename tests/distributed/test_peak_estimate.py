@@ -1,0 +1,104 @@
+"""The memory model's predicted peak per rank (``estimate.peak_estimate`` from one measured step,
+``step_measure.measure_step``) against the peak resident memory ranks reach in a real ``fit``.
+
+Each case trains the same GPT, built eagerly, for three steps on 2 ranks forked for it. A rank's baseline is its own
+resident set right before the model is built (a forked rank carries the test process's memory, not a fresh
+interpreter's, so the measured step's baseline is replaced by it), and its peak is the kernel's high-water mark
+(VmHWM, reset at the same moment) at the end of ``fit``. The prediction is the largest of the phases a ``fit`` goes
+through (build, setup, steps, teardown); benchmarks/memory_phases.py measures the same at 85M parameters with
+checkpoints and a resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from functools import lru_cache
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_zero import ZeroStrategy, estimate
+from lightning_zero.models import GPTConfig
+from lightning_zero.models.language_model import _next_token_loss
+from lightning_zero.offload.disk import give_back_freed_memory
+from lightning_zero.step_measure import measure_step
+from tests.harness import run_on_ranks
+from tests.models import make_trainer
+
+CONFIG = GPTConfig(vocab_size=256, n_layer=6, n_head=4, d_model=256, seq_len=64, dropout=0.0, tie_embeddings=False)
+BATCH = 4
+STEPS = 3
+OPTIONS = ("zero1", "zero2", "zero3", "zero2_offload")
+FIT_PHASES = ("import_build", "setup", "first_step", "steady_step", "teardown")
+
+
+class GPTModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = CONFIG.build()
+
+    def training_step(self, batch, batch_idx):
+        return _next_token_loss(self.net(batch[:, :-1]), batch[:, 1:])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, CONFIG.vocab_size, (BATCH * STEPS, CONFIG.seq_len + 1),
+                               generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(tokens, batch_size=BATCH)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def _fit_peak(option: str) -> tuple[int, int]:
+    """(baseline, peak) of this rank's resident memory over building the model and a 3-step ``fit``."""
+    gc.collect()
+    give_back_freed_memory()
+    baseline = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    module = GPTModule()
+    strategy = ZeroStrategy(**estimate.LAYOUTS[option].strategy_options(), units=("Block",))
+    make_trainer(strategy, 2, max_steps=STEPS).fit(module)
+    return baseline, _status("VmHWM")
+
+
+@lru_cache(maxsize=None)
+def _measured(option: str) -> list[tuple[int, int]]:
+    # Ranks forked afresh for each option: memory a previous fit freed would otherwise be reused from glibc's heap
+    # and hide part of this one's peak.
+    return run_on_ranks(lambda rank, world_size: _fit_peak(option), 2)
+
+
+@lru_cache(maxsize=1)
+def _step():
+    return measure_step(CONFIG, CONFIG.vocab_size, CONFIG.seq_len, units=("Block",))
+
+
+#: Over the formula on today's main: zero3 keeps a pool of about prefetch + 3 gathered-unit buffers between steps
+#: (issue 27, item 2, bounds it); measured 438 MB against 393 MB predicted per rank.
+POOL_OVER_FORMULA = pytest.mark.xfail(reason="zero3's unit buffer pool is not yet bounded (issue 27 item 2)",
+                                      strict=False)
+
+
+@pytest.mark.parametrize("option", [pytest.param(o, marks=POOL_OVER_FORMULA) if o == "zero3" else o
+                                    for o in OPTIONS])
+def test_predicted_peak_is_within_ten_percent_of_the_measured_one(option):
+    step = _step()
+    for baseline, peak in _measured(option):
+        measure = dataclasses.replace(step, baseline=baseline)
+        predicted = estimate.peak_estimate(option, CONFIG.num_parameters, 2, measure, BATCH, bucket_mb=25.0)
+        fit = max(predicted.phases[p] for p in FIT_PHASES)
+        assert abs(peak - fit) <= 0.10 * peak, (option, baseline, peak, predicted.phases)
+        # What the fit adds to the rank's baseline holds at least the model states the estimate counts (at this
+        # size Lightning's and gloo's own objects, some 30 MB, are most of the rest).
+        assert peak - baseline >= predicted.terms["states"], (option, peak - baseline, predicted.terms)
