@@ -84,14 +84,7 @@ def _step():
     return measure_step(CONFIG, CONFIG.vocab_size, CONFIG.seq_len, units=("Block",))
 
 
-#: Over the formula on today's main: zero3 keeps a pool of about prefetch + 3 gathered-unit buffers between steps
-#: (issue 27, item 2, bounds it); measured 438 MB against 393 MB predicted per rank.
-POOL_OVER_FORMULA = pytest.mark.xfail(reason="zero3's unit buffer pool is not yet bounded (issue 27 item 2)",
-                                      strict=False)
-
-
-@pytest.mark.parametrize("option", [pytest.param(o, marks=POOL_OVER_FORMULA) if o == "zero3" else o
-                                    for o in OPTIONS])
+@pytest.mark.parametrize("option", OPTIONS)
 def test_predicted_peak_is_within_ten_percent_of_the_measured_one(option):
     step = _step()
     for baseline, peak in _measured(option):
