@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
@@ -71,6 +72,10 @@ class ShardedCheckpointHooks:
             "optimizer_classes": [type(o.optimizer).__name__ for o in optimizers],
         }
         optimizer_shapes = [[s.spec.shape for s in o.shards] for o in optimizers]
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and type(plugin).__qualname__ in checkpoint:
+            # the loss scaler's state where DDP's MixedPrecision plugin looks for it (ours reads it there too)
+            checkpoint[MixedPrecision.__qualname__] = checkpoint.pop(type(plugin).__qualname__)
         save_sharded(filepath, checkpoint, facts, self._parameter_shapes(), optimizer_shapes, runtime.comms)
 
     def remove_checkpoint(self, filepath: Any) -> None:
