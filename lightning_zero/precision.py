@@ -1,16 +1,16 @@
 """Precision for ZeroStrategy: full fp32, or 16-bit working parameters with fp32 master shards.
 
 Lightning hands a custom strategy its generic plugins (``Precision``, ``MixedPrecision``); ZeroStrategy replaces them
-with this one for the same flag, so that ``precision="bf16-mixed"`` means ZeRO's mixed precision: the module's
-parameters and gradients in bf16, the fp32 master weights and the optimizer's moments only in the sharded optimizer
-state. The plugin supplies dtypes, autocast, the fp16 loss scale and the clip request Lightning hands it; the step
-itself (unscaling, the global norm, clipping, the update) is the runtime's (see [Note: one optimizer step]).
+with ``ZeroPrecision`` or ``ZeroMixedPrecision`` (still a ``MixedPrecision``, with the same ``GradScaler``) for the
+same flag, so that ``precision="bf16-mixed"`` means ZeRO's mixed precision: the module's parameters and gradients in
+bf16, the fp32 master weights and the optimizer's moments only in the sharded optimizer state. The plugin supplies
+dtypes, autocast, the fp16 loss scaler and the clip request Lightning hands it; the step itself (unscaling, the
+global norm, clipping, the update) is the runtime's (see [Note: one optimizer step]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,79 +24,19 @@ from typing_extensions import override
 from lightning_zero.config import PRECISIONS
 
 
-class ZeroGradScaler(torch.amp.GradScaler):
-    """fp16 dynamic loss scaling whose overflow decisions are the same on every rank.
-
-    A real ``torch.amp.GradScaler`` (``get_scale()``, ``get_growth_factor()``, ``state_dict()`` ... behave as
-    usual), whose scale is updated by the sharded step from an overflow flag agreed across ranks, with torch's own
-    update rule. The step unscales the gradient shards itself, so ``unscale_`` and ``step`` are not for user code.
-    """
-
-    def __init__(self, device: str = "cuda", **settings: Any) -> None:
-        super().__init__(device, **settings)
-        #: Optimizer steps skipped because a rank saw an inf or NaN gradient.
-        self.skipped_steps = 0
-
-    @classmethod
-    def like(cls, scaler: torch.amp.GradScaler | None, device: str) -> ZeroGradScaler:
-        """The same settings as ``scaler`` (the one a ``MixedPrecision`` plugin was given)."""
-        if scaler is None:
-            return cls(device)
-        return cls(
-            device,
-            init_scale=scaler.get_scale(),
-            growth_factor=scaler.get_growth_factor(),
-            backoff_factor=scaler.get_backoff_factor(),
-            growth_interval=scaler.get_growth_interval(),
-        )
-
-    def update_from(self, found_inf: Tensor) -> None:
-        """Back off (``found_inf`` = 1) or count towards growth, as ``GradScaler.update`` does."""
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(found_inf.device)
-        found_inf = found_inf.to(device=self._scale.device, dtype=torch.float32).reshape(1)
-        torch._amp_update_scale_(
-            self._scale, self._growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
-            self._growth_interval,
-        )
-        if found_inf.item():
-            self.skipped_steps += 1
-
-    @override
-    def unscale_(self, optimizer: Optimizer) -> None:
-        raise RuntimeError("under ZeroStrategy the sharded optimizer step unscales the gradient shards itself")
-
-    @override
-    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("under ZeroStrategy call optimizer.step(); the strategy applies the loss scale")
-
-
 class ZeroPrecision(Precision):
-    """``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (fp16 with dynamic loss scaling) under ZeroStrategy."""
+    """``"32-true"`` under ZeroStrategy (``ZeroMixedPrecision`` adds the 16-bit flags): records the clip request
+    Lightning hands it for the sharded step to apply over all shards."""
 
-    def __init__(self, precision: str = "32-true", device: str = "cpu", scaler: ZeroGradScaler | None = None) -> None:
+    def __init__(self, precision: str = "32-true", device: str = "cpu") -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not supported by ZeroStrategy: allowed values are {allowed()}")
         self.precision = precision
         self.device = device
         self.working_dtype: torch.dtype | None = PRECISIONS[precision]
-        self.scaler = (scaler or ZeroGradScaler(device)) if precision == "16-mixed" else None
+        #: The fp16 loss scaler, a ``torch.amp.GradScaler`` (``ZeroMixedPrecision``); none in full precision.
+        self.scaler: torch.amp.GradScaler | None = None
         self._clip: tuple[str, float] | None = None
-
-    @contextmanager
-    @override
-    def forward_context(self) -> Generator[None, None, None]:
-        if self.working_dtype is None:
-            yield
-            return
-        with torch.autocast(self.device, dtype=self.working_dtype, cache_enabled=False):
-            yield
-
-    @override
-    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        return super().pre_backward(tensor, module)
 
     @override
     def clip_gradients(
@@ -118,14 +58,46 @@ class ZeroPrecision(Precision):
         """Lightning's closure followed by its ``on_before_optimizer_step`` hooks and clipping request."""
         return self._wrap_closure(model, optimizer, closure)
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
+
+class ZeroMixedPrecision(ZeroPrecision, MixedPrecision):
+    """``"bf16-mixed"`` or ``"16-mixed"`` under ZeroStrategy: 16-bit working parameters and gradients, fp32 master
+    shards in the optimizer, autocast as Lightning's ``MixedPrecision`` (which this is, as under DDP).
+
+    [Note: the fp16 loss scaler]
+    ``scaler`` is the ``torch.amp.GradScaler`` the ``MixedPrecision`` plugin was given or made (Lightning makes
+    ``GradScaler(device)`` for ``precision="16-mixed"``), the very object, so its whole API, its ``state_dict`` and
+    any reference user code keeps behave as under DDP. It scales the loss in ``pre_backward`` (``scale``) and is
+    updated once per optimizer step by torch's own ``update``, fed with the overflow flag the ranks agreed on
+    (``update_loss_scale``): one rank's inf or NaN skips the step and backs off the scale on every rank, as DDP's
+    all-reduced gradients do. Unscaling, clipping and stepping are the sharded step's, so user code calls neither
+    ``unscale_`` nor ``step`` on it (as under DDP, where Lightning calls them).
+    """
+
+    def __init__(self, precision: str = "bf16-mixed", device: str = "cpu", scaler: torch.amp.GradScaler | None = None):
+        ZeroPrecision.__init__(self, precision, device)
+        MixedPrecision.__init__(self, precision, device, scaler)  # type: ignore[arg-type]
 
     @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and state_dict:
-            self.scaler.load_state_dict(state_dict)
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The scaler's state from where a checkpoint holds it: under ``MixedPrecision`` (DDP's checkpoints, and ours,
+        so that each resumes from the other) or ``ZeroPrecision`` (lightning_zero's before this class). Lightning
+        itself only looks under this class's own name."""
+        if type(self).__qualname__ in checkpoint:
+            return
+        for key in ("MixedPrecision", "ZeroPrecision"):
+            if checkpoint.get(key):
+                self.load_state_dict(checkpoint[key])
+                return
+
+
+def update_loss_scale(scaler: torch.amp.GradScaler, found_inf: Tensor) -> None:
+    """``scaler.update()`` with ``found_inf`` (1.0 where any rank's gradients overflowed) as the step's inf check:
+    torch's own update rule (back off, or count towards growth) on the scaler's own state."""
+    if scaler._scale is None:  # no loss was scaled since the scaler was made or loaded (as GradScaler.scale does)
+        scaler._lazy_init_scale_growth_tracker(found_inf.device)
+    state = scaler._per_optimizer_states[id(scaler)]  # update() combines every recorded check, whatever the key
+    state["found_inf_per_device"] = {found_inf.device: found_inf.float().reshape(())}
+    scaler.update()
 
 
 def allowed() -> str:
@@ -133,14 +105,12 @@ def allowed() -> str:
 
 
 def zero_precision_for(plugin: Precision | None) -> ZeroPrecision:
-    """The ZeroPrecision for the plugin Lightning chose from the user's ``precision`` flag."""
+    """The ZeroPrecision for the plugin Lightning chose from the user's ``precision`` flag (or the user gave)."""
     if plugin is None or isinstance(plugin, ZeroPrecision):
         return plugin or ZeroPrecision()
     if type(plugin) is Precision:
         return ZeroPrecision("32-true")
     if isinstance(plugin, MixedPrecision):
-        # fp16: the sharded scaler takes the settings of the GradScaler the plugin was given (init scale, growth).
-        scaler = ZeroGradScaler.like(plugin.scaler, plugin.device) if plugin.precision == "16-mixed" else None
-        return ZeroPrecision(plugin.precision, plugin.device, scaler)
+        return ZeroMixedPrecision(plugin.precision, plugin.device, plugin.scaler)  # the same GradScaler object
     flag = getattr(plugin, "precision", type(plugin).__name__)
     raise ValueError(f"precision={flag!r} is not supported by ZeroStrategy: allowed values are {allowed()}")

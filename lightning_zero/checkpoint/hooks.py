@@ -1,6 +1,6 @@
-"""ZeroStrategy's checkpoint hooks: Lightning's ``Strategy`` methods that save and load, answered with sharded
-``torch.distributed.checkpoint`` directories (``sharded.py``) and, for single-file checkpoints (DDP, one device,
-``consolidate``), with the full state dict scattered into the shards.
+"""ZeroStrategy's checkpoint hooks: Lightning's ``Strategy`` methods that save and load, answered with one checkpoint
+file that every rank writes its rows into (``sharded.py``) and from which every rank reads only its rows; checkpoint
+directories of the earlier format (``legacy.py``) still load.
 
 A mixin placed before ``DDPStrategy`` in ``ZeroStrategy``'s bases; it uses the strategy's ``runtime``, ``config``,
 ``precision_plugin``, ``optimizers`` and ``world_size``.
@@ -9,21 +9,34 @@ A mixin placed before ``DDPStrategy`` in ``ZeroStrategy``'s bases; it uses the s
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.layout import is_sharded_checkpoint, remove
-from lightning_zero.checkpoint.sharded import load_sharded, model_tensors, optimizer_tensors, save_sharded
+from lightning_zero.checkpoint.layout import FORMAT_KEY, is_checkpoint_directory, remove, state_dict_keys
+from lightning_zero.checkpoint.legacy import load_directory
+from lightning_zero.checkpoint.sharded import (
+    check_model,
+    check_optimizer_states,
+    format_info,
+    model_tensors,
+    open_checkpoint,
+    optimizer_tensors,
+    save_sharded,
+    verify_rows,
+)
 
 
 class ShardedCheckpointHooks:
     """Save and load through the shards (see the module docstring)."""
 
     _device_mesh: Any = None
-    _loaded_sharded: bool = False
+    _loaded_directory: bool = False
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -36,51 +49,95 @@ class ShardedCheckpointHooks:
         return self._device_mesh
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's shards as DTensors, keyed by parameter name: no communication (see ``sharded.py``)."""
+        """The module's state_dict with this rank's shards as DTensors of the full shapes: no communication (see
+        ``sharded.py``)."""
         self.runtime.wait()
-        return model_tensors(self.runtime.module, self.runtime.shards, self._mesh(), self.runtime.comms.rank)
+        return model_tensors(self.runtime.module, self.runtime.shards, self._mesh())
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's optimizer state shards, keyed by parameter name."""
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return optimizer_tensors(self.runtime.sharded(inner), self._mesh())
+        """The optimizer's state_dict with this rank's shards of its per-element state as DTensors."""
+        return optimizer_tensors(self.runtime.sharded(_unwrap(optimizer)), self._mesh())
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint directory, every rank in parallel, atomically (see ``sharded.py``)."""
+        """Write the checkpoint file, every rank its own rows in parallel, atomically (see ``sharded.py``)."""
         if storage_options is not None:
-            raise TypeError("ZeroStrategy writes torch.distributed.checkpoint directories; storage_options is not used")
-        facts = {"stage": self.config.stage, "world_size": self.world_size, "precision": self.precision_plugin.precision}
-        self.runtime.check_offloaded_files()
-        self.runtime.adopt_edits()
-        save_sharded(filepath, checkpoint, self.runtime.module, self.runtime.shards, facts, self.runtime.comms)
-        self.runtime.release_offloaded_pages()
+            raise TypeError("ZeroStrategy writes checkpoint files itself, from every rank; storage_options is not used")
+        runtime = self.runtime
+        runtime.check_offloaded_files()
+        runtime.adopt_edits()
+        optimizers = [runtime.sharded(_unwrap(o)) for o in self.optimizers]  # as Lightning lists optimizer_states
+        facts = {
+            "stage": self.config.stage,
+            "world_size": self.world_size,
+            "precision": self.precision_plugin.precision,
+            "optimizer_classes": [type(o.optimizer).__name__ for o in optimizers],
+        }
+        optimizer_shapes = [[s.spec.shape for s in o.shards] for o in optimizers]
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and type(plugin).__qualname__ in checkpoint:
+            # the loss scaler's state where DDP's MixedPrecision plugin looks for it (ours reads it there too)
+            checkpoint[MixedPrecision.__qualname__] = checkpoint.pop(type(plugin).__qualname__)
+        save_sharded(filepath, checkpoint, facts, self._parameter_shapes(), optimizer_shapes, runtime.comms)
+        runtime.release_offloaded_pages()
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             remove(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded checkpoint directory is read straight into the shards, each rank reading only its rows (at any
-        world size and stage); a single-file checkpoint (DDP, single device, ``consolidate``) loads as usual."""
-        self._loaded_sharded = is_sharded_checkpoint(checkpoint_path)
-        if not self._loaded_sharded:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Map a checkpoint file (ours, DDP's, one device's, ``consolidate``'s), check it against the model and the
+        optimizers on every rank, and hand it to Lightning; the model and optimizer state are then copied in, each
+        rank reading only its rows. A checkpoint directory (the earlier format) is read straight into the shards."""
         runtime = self.runtime
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        sharded = [runtime.sharded(o) for o in self.optimizers] if fitting else []
-        meta = load_sharded(checkpoint_path, runtime.module, runtime.shards, sharded, self._mesh(), runtime.comms)
-        runtime.refresh_full_parameters()
-        return meta
+        optimizers = [runtime.sharded(o) for o in self.optimizers] if fitting else []
+        self._loaded_directory = is_checkpoint_directory(checkpoint_path)
+        if self._loaded_directory:
+            meta = load_directory(
+                checkpoint_path, runtime.module, runtime.shards, optimizers, self._mesh(), runtime.comms
+            )
+            runtime.refresh_full_parameters()
+            return meta
+        checkpoint = open_checkpoint(checkpoint_path, weights_only)
+        info = format_info(checkpoint)
+        if info is not None:
+            verify_rows(Path(checkpoint_path), checkpoint, runtime.comms, optimizer_states=bool(optimizers))
+        strict = self.lightning_module is None or self.lightning_module.strict_loading
+        check_model(checkpoint["state_dict"], self._state_dict_shapes(), strict)
+        if optimizers and checkpoint.get("optimizer_states") is not None:
+            classes = info.get("optimizer_classes") if info is not None else None
+            check_optimizer_states(checkpoint["optimizer_states"], optimizers, classes)
+        checkpoint.pop(FORMAT_KEY, None)
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._loaded_sharded:
+        if self._loaded_directory:
             return
         self.runtime.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._loaded_sharded:
-            self._loaded_sharded = False
+        if self._loaded_directory:
+            self._loaded_directory = False
             return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self.runtime.sharded(optimizer).load_consolidated_state_dict(state)
+
+    def _parameter_shapes(self) -> dict[str, torch.Size]:
+        """Every parameter's full shape by state_dict key, tied weights under each of their names."""
+        shapes = {s.name: s.spec.shape for s in self.runtime.shards}
+        _, aliases = state_dict_keys(self.runtime.module)
+        shapes.update({alias: shapes[first] for alias, first in aliases.items() if first in shapes})
+        return shapes
+
+    def _state_dict_shapes(self) -> dict[str, torch.Size]:
+        """The full shape of every tensor in the module's state_dict (parameters and persistent buffers)."""
+        shapes = self._parameter_shapes()
+        for name, value in self.runtime.module.state_dict(keep_vars=True).items():
+            if name not in shapes and torch.is_tensor(value):
+                shapes[name] = value.shape
+        return shapes
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -1,37 +1,50 @@
-"""What a checkpoint directory holds, and the checks made on one before anything is read.
+"""What a checkpoint holds, and the checks made on one before anything is read.
 
 [Note: checkpoint layout]
-A checkpoint is a directory::
+A checkpoint is one file at the path Lightning hands out (``trainer.save_checkpoint(path)``, ``ModelCheckpoint``'s
+``best_model_path``, ``last.ckpt``), in ``torch.save``'s format, holding exactly what a DDP checkpoint holds:
+Lightning's dictionary with ``state_dict`` (every parameter at its full shape under every name the module's
+``state_dict`` has, tied weights sharing one storage, the fp32 master under mixed precision; the persistent buffers
+as rank 0 holds them, as DDP's checkpoints hold rank 0's) and ``optimizer_states`` (each optimizer's
+``state_dict()``, position-keyed, moments at full shape), loops, callbacks, schedulers, hyper-parameters and the
+loss scaler, plus one key of ours, ``lightning_zero`` (the stage, world size and precision it was saved with, the
+optimizer classes, and the checksums below). So ``torch.load(path)``, ``Model.load_from_checkpoint(path)`` and
+``Trainer(strategy="ddp").fit(ckpt_path=path)`` read it as they read a DDP checkpoint, with no lightning_zero
+installed; a model too large for one process's memory maps it instead (``torch.load(path, mmap=True)``).
 
-    .metadata, __*_*.distcp   torch.distributed.checkpoint (DCP): every rank writes only the rows it owns
-    lightning.pt              rank 0: Lightning's own state (loops, callbacks, LR schedulers, loss scaler,
-                              hyper-parameters) and ours (parameter shapes, tied-weight aliases, optimizer groups)
-
-DCP holds ``model.<name>`` for every parameter (the fp32 master under mixed precision) and persistent buffer, at its
-full shape, and ``optim.<i>.<name>.<key>`` for optimizer ``i``'s state, keyed by parameter name rather than position.
-A shard is handed to DCP as a ``DTensor`` placed ``Shard(0)`` over the ranks, whose row split is exactly ours (chunks
-of ``ceil(rows / N)``, see [Note: how a parameter is split]); a 0-d parameter is stored as shape ``(1,)``. So a load
-at any world size and stage reads, on each rank, only the rows that rank now owns, and DCP does the resharding.
-
-Persistent buffers are stored from rank 0 only, as DDP's checkpoints hold rank 0's (a BatchNorm's running statistics
-may differ between ranks that do not broadcast them).
-
-Saving is atomic: everything goes to ``<path>.partial``, which replaces ``<path>`` only once every rank has finished
-(the previous checkpoint is moved to ``<path>.old`` for the instant of the swap). A rank dying mid-save leaves the
-previous checkpoint at ``<path>`` untouched. Loading is atomic too: every file is checked, then everything is read
-into fresh tensors, and only when all reads succeeded on every rank are the live shards, buffers and optimizer
-states overwritten.
+It is written sharded: every rank writes the rows it owns of every parameter and per-element optimizer state into
+the one file, in parallel (see [Note: one checkpoint file, written by every rank] in torch_file.py). A load maps the
+file and each rank reads only the rows it now owns, at any world size and stage; DDP and single-device checkpoints
+load the same way. Saving is atomic: everything goes to ``<path>.partial``, renamed to ``<path>`` (``os.replace``)
+once every rank's rows are on disk and checksummed, so a rank dying mid-save leaves the previous checkpoint at
+``<path>``. Loading is checked first: the file, the names and shapes against the model and the optimizer state
+against the optimizers, on every rank, before any live tensor is overwritten.
 
 [Note: checksums]
-DCP checks no tensor bytes: a shard file with flipped bytes loads as other numbers. So a save also writes
-``checksums.json``: the size and CRC-32 of every file (``.metadata``, ``lightning.pt`` and each ``.distcp``), plus the
-CRC-32 of the manifest itself. Each rank hashes a round-robin share of the files right after writing them and rank 0
-writes the manifest, inside ``<path>.partial``, so it is swapped in with the rest. A load checks ``lightning.pt`` and
-``.metadata`` before unpickling them, then each rank the shard files it will read (DCP's own load plan says which),
-and the ranks agree on the outcome before anything is read: a damaged file fails on every rank, naming the file,
-with nothing changed. ``consolidate`` checks every file. CRC-32 runs at ~3.7 GB/s on one core here (blake2b 0.4,
-sha256 1.2): it catches damage, not tampering. Checkpoints written before the manifest existed have none and load
-without the check.
+The zip archive carries a CRC-32 of every record that ``torch.save``'s writer wrote (the pickle, buffers, counters),
+but a placeholder's record is written by the ranks, so its zip CRC-32 is left 0. Each rank computes the CRC-32 of the
+bytes it writes (one range per tensor: its rows) while writing them; rank 0 writes the table of them, one entry per
+(tensor, rank) range, into the file as the last thing before the rename (``lightning_zero["crc32"]``, with
+``lightning_zero["ranges"]`` saying which range each entry covers). A load checks the pickle's zip CRC-32 before
+unpickling, the other records ``torch.save`` wrote, and, on each rank, every saved range that overlaps the rows it is
+about to read; the ranks agree on the outcome, so a damaged file fails on every rank, naming the tensor and the
+bytes, with nothing changed. ``consolidate`` checks everything. CRC-32 runs at ~3.7 GB/s on one core here (blake2b
+0.4, sha256 1.2): it catches damage, not tampering. DDP checkpoints have no table and load unchecked.
+
+[Note: checkpoint directories]
+Before checkpoints were one file, lightning_zero wrote directories (``legacy.py`` still loads and consolidates
+them)::
+
+    .metadata, __*_*.distcp   torch.distributed.checkpoint (DCP): every rank wrote only the rows it owned
+    lightning.pt              rank 0: Lightning's own state and ours (parameter shapes, tied-weight aliases, groups)
+    checksums.json            size and CRC-32 of every file, and of the manifest itself (absent in the oldest)
+
+DCP holds ``model.<name>`` for every parameter and persistent buffer at its full shape (a 0-d parameter as shape
+``(1,)``) and ``optim.<i>.<name>.<key>`` for optimizer ``i``'s state, keyed by parameter name. A shard is handed to
+DCP as a ``DTensor`` placed ``Shard(0)``, whose row split is exactly ours (chunks of ``ceil(rows / N)``), so DCP
+reshards on load. A directory interrupted mid-swap is found at ``<path>.old``. A load checks ``lightning.pt`` and
+``.metadata`` against the manifest before unpickling them, then each rank the shard files it will read (DCP's own
+load plan says which), and the ranks agree before anything is read.
 """
 
 from __future__ import annotations
@@ -65,7 +78,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be loaded into this model; the message names what is wrong."""
 
 
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+def is_checkpoint_directory(path: str | os.PathLike) -> bool:
+    """A checkpoint directory of the format before checkpoints were one file (see [Note: checkpoint directories])."""
     return _resolve(Path(path)) is not None
 
 
@@ -120,14 +134,14 @@ def read_meta(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     try:
         return resolved, torch.load(resolved / META_FILE, weights_only=False, map_location="cpu")
     except Exception as err:
-        raise CheckpointError(f"{resolved / META_FILE} cannot be read: {_first_line(err)}") from err
+        raise CheckpointError(f"{resolved / META_FILE} cannot be read: {first_line(err)}") from err
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
     try:
         return FileSystemReader(path).read_metadata()
     except Exception as err:
-        raise CheckpointError(f"{path / DCP_META_FILE} cannot be read: {_first_line(err)}") from err
+        raise CheckpointError(f"{path / DCP_META_FILE} cannot be read: {first_line(err)}") from err
 
 
 def check_files(path: Path, verify: bool = True) -> dict[str, TensorStorageMetadata]:
@@ -164,20 +178,6 @@ def file_checksum(file: Path) -> int:
     return crc
 
 
-def checksummed_files(metadata: Metadata) -> list[str]:
-    """The files a manifest covers, in the order every rank uses: ``.metadata``, ``lightning.pt``, the shards."""
-    shards = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    return sorted({DCP_META_FILE, META_FILE} | shards)
-
-
-def write_manifest(path: Path, checksums: dict[str, int]) -> None:
-    """Write ``checksums.json`` for the files named in ``checksums`` (name -> CRC-32), their sizes taken now."""
-    files = {name: {"bytes": (path / name).stat().st_size, "crc32": crc} for name, crc in sorted(checksums.items())}
-    body = {"version": 1, "algorithm": "crc32", "files": files}
-    body["crc32"] = zlib.crc32(_canonical(body))
-    (path / MANIFEST_FILE).write_text(json.dumps(body, indent=1, sort_keys=True))
-
-
 def read_manifest(path: Path) -> dict[str, tuple[int, int]] | None:
     """File name -> (bytes, CRC-32) from ``checksums.json``; None for a checkpoint saved without one."""
     file = path / MANIFEST_FILE
@@ -189,7 +189,7 @@ def read_manifest(path: Path) -> dict[str, tuple[int, int]] | None:
         intact = recorded == zlib.crc32(_canonical(body)) and body["algorithm"] == "crc32"
         files = {name: (int(e["bytes"]), int(e["crc32"])) for name, e in body["files"].items()} if intact else {}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"checkpoint manifest {file} is damaged: {_first_line(err)}") from err
+        raise CheckpointError(f"checkpoint manifest {file} is damaged: {first_line(err)}") from err
     if not intact:
         raise CheckpointError(f"checkpoint manifest {file} is damaged: its content does not match its own checksum")
     return files
@@ -221,16 +221,21 @@ def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
-def check_compatible(expected: dict[str, torch.Size], stored: dict[str, TensorStorageMetadata], prefix: str) -> None:
-    """Raise, naming every missing, unexpected and mis-shaped key, unless the model matches the checkpoint."""
-    found = {k[len(prefix) :]: torch.Size(v.size) for k, v in stored.items() if k.startswith(prefix)}
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
+def stored_shapes(stored: dict[str, TensorStorageMetadata], prefix: str) -> dict[str, torch.Size]:
+    """Name -> shape of the DCP entries under ``prefix`` (a checkpoint directory's)."""
+    return {k[len(prefix) :]: torch.Size(v.size) for k, v in stored.items() if k.startswith(prefix)}
+
+
+def check_compatible(expected: dict[str, torch.Size], found: dict[str, torch.Size], names: bool = True) -> None:
+    """Raise, naming every missing, unexpected (with ``names``) and mis-shaped key, unless the model matches the
+    checkpoint."""
+    missing = sorted(set(expected) - set(found)) if names else []
+    unexpected = sorted(set(found) - set(expected)) if names else []
     misshaped = sorted(
         f"{k}: checkpoint {tuple(found[k])}, model {tuple(expected[k])}"
         for k in set(expected) & set(found)
@@ -245,6 +250,18 @@ def check_compatible(expected: dict[str, torch.Size], stored: dict[str, TensorSt
         if misshaped:
             problems.append(f"shapes differ: {misshaped}")
         raise CheckpointError("the checkpoint does not match this model; " + "; ".join(problems))
+
+
+def check_optimizer_class(saved: str | None, live: Any, index: int) -> None:
+    """The checkpoint's optimizer ``index`` is of the live one's class (by name; checkpoints that did not record it
+    skip this). Another class would be handed state it does not use (Adam's moments in SGD) and hyper-parameter
+    groups without its own keys; another precision, other hyper-parameter values, world size or stage are fine."""
+    name = type(live).__name__
+    if saved is not None and saved != name:
+        raise CheckpointError(
+            f"optimizer {index}: the checkpoint holds the state of {saved}, configure_optimizers returned {name}; "
+            "to start a new optimizer from these weights, load only the state_dict"
+        )
 
 
 def state_dict_keys(module: nn.Module) -> tuple[list[str], dict[str, str]]:

@@ -1,4 +1,4 @@
-"""``lightning-zero consolidate``: a sharded checkpoint directory to one file (see ``checkpoint.consolidate``)."""
+"""``lightning-zero consolidate``: a checkpoint's weights to one file (see ``checkpoint.consolidate``)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from lightning_zero.config import DTYPES
 def add_consolidate(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "consolidate",
-        help="write a sharded checkpoint's full weights to one file that plain PyTorch loads",
-        description="Write the full weights of a lightning_zero checkpoint directory to one file, reading one tensor "
-        "at a time. OUT ending in .safetensors holds the weights only and is streamed (peak memory about the largest "
-        "tensor); any other suffix is a Lightning checkpoint file (torch.save of {'state_dict': ...}).",
+        help="write a checkpoint's full weights to one file, checked against its checksums",
+        description="Write the full weights of a lightning_zero checkpoint (a checkpoint file, or a checkpoint "
+        "directory of the earlier format) to one file, after checking every byte against its checksums, reading one "
+        "tensor at a time. OUT ending in .safetensors holds the weights only and is streamed (peak memory about the "
+        "largest tensor); any other suffix is a Lightning checkpoint file (torch.save of {'state_dict': ...}).",
     )
-    parser.add_argument("checkpoint", help="a checkpoint directory written by ZeroStrategy")
+    parser.add_argument("checkpoint", help="a checkpoint written by ZeroStrategy (or by DDP, or one device)")
     parser.add_argument("out", help="the file to write (.safetensors, .ckpt, .pt)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="cast weights (default: as stored)")
     parser.add_argument("--strip-prefix", default="", help="drop this prefix from every key (e.g. 'model.')")

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_zero.precision import update_loss_scale
 from lightning_zero.sharding.collectives import Collectives
 from lightning_zero.sharding.flat_param import ParamShard
 
@@ -43,7 +44,10 @@ class StepScaling:
     @torch.no_grad()
     def agree(self, grads: list[Tensor], scaler: Any, clip: tuple[str, float] | None) -> Tensor | float | None:
         """The factor the gradients are multiplied by (the loss scale's inverse, the clip coefficient), or ``None``
-        when the step is skipped on every rank; see [Note: non-finite gradients]."""
+        when the step is skipped on every rank; see [Note: non-finite gradients]. ``scaler``: the fp16
+        ``torch.amp.GradScaler`` (see [Note: the fp16 loss scaler] in precision.py), updated here."""
+        if scaler is not None and not scaler.is_enabled():
+            scaler = None  # as torch disables a GradScaler made for CUDA where there is none: DDP steps unscaled too
         inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
         by_norm = clip is not None and clip[0] == "norm"
         factor: Tensor | float = inv_scale
@@ -52,7 +56,7 @@ class StepScaling:
         norm, failed = self._global_norm(grads)
         norm = norm * inv_scale
         if scaler is not None:
-            scaler.update_from((~torch.isfinite(norm)).float())
+            update_loss_scale(scaler, ~torch.isfinite(norm))
         if (scaler is not None or self.policy != "ignore") and not torch.isfinite(norm).item():
             if scaler is None:
                 self._on_nonfinite(failed)

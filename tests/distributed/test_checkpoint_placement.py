@@ -1,5 +1,6 @@
-"""A checkpoint leaves every tensor where it lives: saving and loading hand DCP DTensors around the shards themselves,
-so under offload (host masters and optimizer states, a CUDA mesh) nothing is copied to the device, in either direction.
+"""A checkpoint leaves every tensor where it lives: saving hands the checkpoint writer DTensors around the shards
+themselves, and loading an earlier checkpoint directory (DCP) reads into DTensors on the shards' device, so under
+offload (host masters and optimizer states, a CUDA mesh) nothing is copied to the device, in either direction.
 
 Without a GPU, the mesh is a CUDA ``DeviceMesh`` made without initialising a backend; any move to its device fails
 here ("Torch not compiled with CUDA enabled"), which is what ``DTensor.from_local`` did with host tensors.
@@ -12,12 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_zero.checkpoint.sharded import (
-    _model_destinations,
-    model_tensors,
-    optimizer_destinations,
-    optimizer_tensors,
-)
+from lightning_zero.checkpoint.legacy import _model_destinations, optimizer_destinations
+from lightning_zero.checkpoint.sharded import model_tensors, optimizer_tensors
 from lightning_zero.sharding.flat_param import shard_parameters
 from lightning_zero.sharding.optimizer import ShardedOptimizer
 from tests.harness import run_on_ranks
@@ -33,7 +30,7 @@ def _placements(rank: int, world_size: int) -> dict:
         shard.param.grad = torch.ones(shard.spec.local_shape)
     sharded.update([(s, s.param.grad) for s in shards])  # Adam's moments now exist, on the host
 
-    saved = model_tensors(module, shards, mesh, rank)
+    saved = model_tensors(module, shards, mesh)
     same_storage = [saved[s.name]._local_tensor.data_ptr() == s.local.data_ptr() for s in shards]
     states = optimizer_tensors(sharded, mesh)["state"]
     moments = [v for entry in states.values() for v in entry.values() if isinstance(v, DTensor)]

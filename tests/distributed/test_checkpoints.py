@@ -1,5 +1,6 @@
-"""Sharded checkpoints: exact resume, resume at another world size and stage, consolidation, atomic saves, and
-clear errors for the wrong model or damaged files."""
+"""Sharded checkpoints: exact resume, resume at another world size and stage, consolidation, Lightning's
+ModelCheckpoint (top-k, last as a copy or a link), atomic saves, and clear errors for the wrong model or damaged
+files."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError, consolidate
 from lightning_zero.cli import main
+from tests.checkpoint_bytes import rows_range
 from tests.harness import run_on_ranks
 from tests.models import ParityModel, Recorder, StepSeededLM, TinyLM, flat_params, make_trainer
 
@@ -138,21 +140,28 @@ def _consolidated(path: Path, out: Path) -> Path:
 # ------------------------------------------------------------------------------------------- lightning's paths
 
 
-def _with_model_checkpoint(rank, world_size, root):
+def _with_model_checkpoint(rank, world_size, root, save_last):
     pl.seed_everything(5, verbose=False)
     callback = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max",
-                               save_last=True)
+                               save_last=save_last)
     trainer = make_trainer(zero(2), world_size, max_steps=6, callbacks=[callback], enable_checkpointing=True)
     trainer.fit(StepSeededLM())
     names = sorted(os.listdir(root))
     _, recorder = _fit(zero(3), world_size, 8, ckpt_path=root / "last.ckpt")
-    return names, recorder.losses
+    return names, recorder.losses, callback.best_model_path
 
 
-def test_model_checkpoint_top_k_last_and_resume_from_last(tmp_path: Path) -> None:
-    names, losses = run_on_ranks(lambda r, w: _with_model_checkpoint(r, w, tmp_path), 2)[0]
-    assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]  # top 2 kept, step 2 deleted
-    assert all((tmp_path / n).is_dir() for n in names)
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_model_checkpoint_top_k_last_and_resume_from_last(tmp_path: Path, save_last) -> None:
+    names, losses, best = run_on_ranks(lambda r, w: _with_model_checkpoint(r, w, tmp_path, save_last), 2)[0]
+    # top 2 kept, step 2 deleted; each a regular file and nothing else in the directory (as under DDP)
+    assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert all((tmp_path / n).is_file() for n in names)
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink() == (save_last == "link")
+    assert Path(best) == tmp_path / "epoch=0-step=6.ckpt"
+    for key, value in torch.load(best)["state_dict"].items():
+        assert torch.equal(torch.load(last)["state_dict"][key], value), key
     assert len(losses) == 2
 
 
@@ -163,12 +172,12 @@ def _save_twice_dying(rank, world_size, path):
     trainer, recorder = _fit(zero(2), world_size, 2)
     trainer.save_checkpoint(path)
     if rank == 1:
-        import torch.distributed.checkpoint.filesystem as filesystem
+        import lightning_zero.checkpoint.sharded as sharded
 
         def die(*args, **kwargs):
             os._exit(17)
 
-        filesystem.FileSystemWriter.write_data = die  # rank 1 dies while writing its shard
+        sharded.write_rows = die  # rank 1 dies while writing its rows
     trainer.save_checkpoint(path)
     return recorder.params[-1]
 
@@ -212,13 +221,9 @@ def test_wrong_model_or_damaged_files_fail_clearly_before_changing_anything(tmp_
     message, _ = run_on_ranks(lambda r, w: _load_wrong(r, w, path, ParityModel), 2)[0]
     assert "missing from the checkpoint: ['block.ln1.bias'" in message and "not in the model: ['lm.blocks.0" in message
 
-    shard = sorted(path.glob("*.distcp"))[1]
-    shard.write_bytes(shard.read_bytes()[:100])
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     message, _ = run_on_ranks(lambda r, w: _load_wrong(r, w, path, TinyLM), 2)[0]
-    assert f"checkpoint shard file {shard} is truncated: 100 bytes" in message
-    shard.unlink()
-    message, _ = run_on_ranks(lambda r, w: _load_wrong(r, w, path, TinyLM), 2)[0]
-    assert f"checkpoint shard file {shard} is missing" in message
+    assert f"checkpoint file {path} is corrupt: it is not a complete torch.save archive" in message
 
 
 def _load_corrupt(rank, world_size, path):
@@ -228,7 +233,9 @@ def _load_corrupt(rank, world_size, path):
     before_params = flat_params(trainer.lightning_module)
     before_state = {k: v.clone() for k, v in trainer.optimizers[0].state_dict()["state"][0].items()}
     try:
-        trainer.strategy.load_checkpoint(path)
+        checkpoint = trainer.strategy.load_checkpoint(path)  # then restore from it, as Lightning does
+        trainer.strategy.load_model_state_dict(checkpoint)
+        trainer.strategy.load_optimizer_state_dict(checkpoint)
     except CheckpointError as err:
         message = str(err)
     else:
@@ -243,11 +250,20 @@ def _load_corrupt(rank, world_size, path):
 def test_a_corrupt_full_length_shard_fails_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
     path = tmp_path / "run.ckpt"
     run_on_ranks(lambda r, w: _save(r, w, 2, path), 2)
-    shard = sorted(path.glob("*.distcp"))[0]
-    shard.write_bytes(bytes(len(shard.read_bytes())))  # same length, every byte zero: passes the size checks
+    _zero_rows_of(path, ("state_dict", "lm.wte.weight"), rank=1)  # same length, a valid archive: only checksums see it
     for message, params_unchanged, state_unchanged in run_on_ranks(lambda r, w: _load_corrupt(r, w, path), 2):
-        assert f"reading {path} failed on rank(s)" in message and "nothing was changed" in message
+        assert f"reading {path} failed on rank(s) [1] (checkpoint file {path} is corrupt: bytes 384-704 of " \
+            "state_dict['lm.wte.weight'] (rows 6-11, written by rank 1) differ from the CRC-32 recorded when they " \
+            "were saved); nothing was changed" in message, message
         assert params_unchanged and state_unchanged
+
+
+def _zero_rows_of(path: Path, location: tuple, rank: int) -> None:
+    """Overwrite with zeros the bytes that ``rank`` (of 2) wrote of the tensor at ``location``."""
+    offset, length = rows_range(path, location, rank, 2)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(length))
 
 
 def test_consolidate_command(tmp_path: Path, capsys) -> None:
@@ -257,5 +273,5 @@ def test_consolidate_command(tmp_path: Path, capsys) -> None:
     assert "wrote 27 tensors" in capsys.readouterr().out  # 26 parameters + the tied head under its own name
     assert safetensors.torch.load_file(tmp_path / "w.safetensors")["lm.head.weight"].dtype == torch.bfloat16
     assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "x.pt")]) == 2
-    assert "is not a lightning_zero checkpoint directory" in capsys.readouterr().err
+    assert f"{tmp_path / 'nothing'} is not a checkpoint: there is no such file" in capsys.readouterr().err
     assert main(["consolidate", str(path), str(tmp_path / "x.safetensors"), "--training-state"]) == 2

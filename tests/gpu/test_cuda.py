@@ -89,16 +89,17 @@ def _fp16() -> MixedPrecision:
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_tracks_single_device_training(stage: int, precision: str, collectives: str) -> None:
     if precision == "16-mixed":
-        _, want = _fit(SingleDeviceStrategy("cuda:0", precision_plugin=_fp16()), steps=20)
+        reference, want = _fit(SingleDeviceStrategy("cuda:0", precision_plugin=_fp16()), steps=20)
         trainer, got = _fit(_zero(stage, collectives, precision_plugin=_fp16()), steps=20)
     else:
-        _, want = _fit("auto", precision=precision, steps=20)
+        reference, want = _fit("auto", precision=precision, steps=20)
         trainer, got = _fit(_zero(stage, collectives), precision=precision, steps=20)
     assert max(abs(a - b) / abs(b) for a, b in zip(got.losses, want.losses)) < 3e-3
     plugin = trainer.strategy.precision_plugin
     assert plugin.precision == precision and (plugin.scaler is not None) == (precision == "16-mixed")
-    if plugin.scaler is not None:
-        assert plugin.scaler.skipped_steps == 0 and plugin.scaler.get_scale() == 2.0**8
+    if plugin.scaler is not None:  # no step skipped (20 unskipped in a row), as on one device
+        assert plugin.scaler.state_dict() == reference.precision_plugin.scaler.state_dict()
+        assert plugin.scaler.state_dict()["_growth_tracker"] == 20 and plugin.scaler.get_scale() == 2.0**8
 
 
 def test_meta_init_on_the_gpu_equals_the_eager_build(collectives: str) -> None:

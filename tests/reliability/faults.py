@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import filesystem
 
+import lightning_zero.checkpoint.sharded as sharded
 from lightning_zero import ZeroStrategy
 from tests.models import StepSeededLM
 
@@ -92,14 +92,14 @@ class FaultyLM(StepSeededLM):
     def on_save_checkpoint(self, checkpoint) -> None:
         self._saves += 1
         if self._due("save"):
-            fault, marker, write = self.fault, self.marker, filesystem.FileSystemWriter.write_data
+            fault, marker, write = self.fault, self.marker, sharded.write_rows
 
-            def write_and_die(writer, plan, planner):  # dies while DCP writes this rank's shard
-                filesystem.FileSystemWriter.write_data = write
+            def write_and_die(fd, offset, rows):  # dies while this rank writes its rows into the checkpoint file
+                sharded.write_rows = write
                 fault.strike(marker)
-                return write(writer, plan, planner)
+                return write(fd, offset, rows)
 
-            filesystem.FileSystemWriter.write_data = write_and_die
+            sharded.write_rows = write_and_die
 
 
 class FaultyAdamW(torch.optim.AdamW):

@@ -3,7 +3,7 @@ last checkpoint reaches exactly the losses and parameters of an uninterrupted ru
 
 Each scenario forks its own ranks (a group with a dead member cannot be reused): rank ``FAILING`` fails at
 ``FAULT_STEP`` by SIGKILL, SIGSTOP (a node that vanished without closing its connections) or an exception, in the
-forward, the backward, the optimizer step or while DCP writes its shard of a checkpoint. ``ModelCheckpoint`` saves
+forward, the backward, the optimizer step or while it writes its rows of a checkpoint. ``ModelCheckpoint`` saves
 every 2 steps with ``save_last``; one more fork then resumes every scenario with ``ckpt_path="last"`` and compares
 each step after the resume point with an uninterrupted run of the same stage.
 """

@@ -81,6 +81,26 @@ def test_fp16_mixed_gets_sharded_loss_scaling() -> None:
     assert strategy.precision_plugin.scaler is not None and strategy.precision_plugin.scaler.get_scale() == 2.0**16
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch disables a CUDA GradScaler only where there is no CUDA")
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_fp16_on_a_mocked_gpu_keeps_lightnings_disabled_scaler_as_ddp_does(monkeypatch, strategy: str) -> None:
+    # Lightning's test_amp_ddp: 2 GPUs mocked where there is no CUDA. Lightning builds MixedPrecision("16-mixed",
+    # "cuda") with GradScaler("cuda"), which torch disables (no _growth_factor then); ZeroStrategy used to read
+    # its growth factor to copy it, failing with AttributeError. Now it keeps the plugin's scaler, as DDP does.
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    import lightning.pytorch.accelerators.cuda as pytorch_cuda
+
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(pytorch_cuda, "num_cuda_devices", lambda: 2)
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        trainer = pl.Trainer(fast_dev_run=True, precision="16-mixed", accelerator="gpu", devices=2, strategy=strategy)
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed" and plugin.device == "cuda"
+    scaler = plugin.scaler
+    assert type(scaler) is torch.amp.GradScaler and not scaler.is_enabled()
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from lightning_zero.precision import ZeroGradScaler
 from lightning_zero.sharding.collectives import Collectives
 from lightning_zero.sharding.scaling import StepScaling, scale_
 
@@ -71,7 +70,7 @@ def test_policies_that_decide_on_the_host_synchronise(policy: str) -> None:
 
 def test_fp16_loss_scaling_synchronises_and_unscales() -> None:
     grads = _grads()
-    scaler = ZeroGradScaler("cpu", init_scale=4.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     with count_host_reads() as calls:
         factor = StepScaling(Collectives(), "ignore").agree(grads, scaler, None)
     assert calls and factor == pytest.approx(0.25)
