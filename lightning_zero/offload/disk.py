@@ -259,6 +259,9 @@ class DiskOffload(HostOffload):
                     self.store.drop([file])
                 state[key] = file
             if self.store.holds(state[key]):
+                replaced = self._state_files.get((shard.param, key))
+                if replaced is not None and replaced is not state[key]:  # a checkpoint load gave it a new file
+                    self.store.discard(replaced)
                 self._state_files[(shard.param, key)] = state[key]
         return writes
 
@@ -312,6 +315,19 @@ class DiskOffload(HostOffload):
         optimizers = [self._optimizer] if self._optimizer is not None else []
         self.store.drop(self.disk_tensors(optimizers))
         give_back_freed_memory()
+
+    def write_master(self, shard: ParamShard, rows: Tensor) -> None:
+        """Load ``rows`` into ``shard``'s master file (``pwrite``, then dropped): nothing of a resume's masters stays
+        in memory."""
+        if self.store.holds(shard.local):
+            self.store.write(shard.local, rows.to("cpu", torch.float32 if rows.is_floating_point() else rows.dtype)
+                             .contiguous())
+            self.store.drop([shard.local])
+
+    def keep_state_rows(self, rows: Tensor) -> Tensor:
+        """This rank's rows of a loaded optimizer state go straight into a file of their own (the step then keeps
+        them there): a resume holds one state tensor in memory at a time, not all of them."""
+        return self.store.create(rows)
 
     def full_parameter(self, tensor: Tensor, device: torch.device) -> Tensor:
         """With parameter shards on disk, the model does not fit in host memory, so the end of fit keeps each full

@@ -119,6 +119,13 @@ class FileStore:
             if file is not None:
                 self._drop(file)
 
+    def discard(self, tensor: Tensor) -> None:
+        """Remove the file behind ``tensor`` (replaced by another): its space is freed once ``tensor`` goes."""
+        file = self._files.pop(tensor.untyped_storage().data_ptr(), None)
+        if file is not None:
+            os.close(file.fd)
+            file.path.unlink(missing_ok=True)
+
     def check(self, tensors: list[Tensor]) -> None:
         """Raise if a file was truncated: touching its mapped pages past the end would kill the process (SIGBUS)."""
         for tensor in tensors:

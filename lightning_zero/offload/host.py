@@ -216,6 +216,15 @@ class HostOffload:
         """Where gradient shards live: in memory (``None``), here."""
         return None
 
+    def write_master(self, shard: ParamShard, rows: Tensor) -> None:
+        """Load ``rows`` (a checkpoint's) into ``shard``'s master; ``refresh`` then pushes them."""
+        shard.local.copy_(rows)
+
+    @staticmethod
+    def keep_state_rows(rows: Tensor) -> Tensor:
+        """Where this rank's rows of a loaded optimizer state are kept: a copy in host memory."""
+        return rows.to("cpu", copy=True)
+
     def full_parameter(self, tensor: Tensor, device: torch.device) -> Tensor:
         """Where the end of fit keeps a full parameter just gathered into ``tensor``: on ``device``."""
         return tensor.to(device)

@@ -16,7 +16,7 @@ State an optimizer created before it was sharded (Adagrad fills its sums in ``__
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,7 +38,8 @@ NOT_ELEMENT_WISE = {
 class ShardedOptimizer:
     """Steps ``optimizer`` on the local shards of its parameters (see the module docstring)."""
 
-    def __init__(self, optimizer: Optimizer, shard_of: dict[torch.nn.Parameter, ParamShard]) -> None:
+    def __init__(self, optimizer: Optimizer, shard_of: dict[torch.nn.Parameter, ParamShard],
+                 keep_rows: Callable[[Tensor], Tensor] = Tensor.clone) -> None:
         name = type(optimizer).__name__
         for base in type(optimizer).__mro__:
             if base.__name__ in NOT_ELEMENT_WISE and base.__module__.startswith("torch.optim"):
@@ -49,6 +50,9 @@ class ShardedOptimizer:
                 )
         self.optimizer = optimizer
         self._shard_of = shard_of
+        #: How this rank's rows of a loaded full-shape state are kept: a copy in memory, or where offload keeps
+        #: states (disk offload: straight into a file, so a resume never holds every state in memory at once).
+        self._keep_rows = keep_rows
         with torch.no_grad():
             self._shard_existing_state()
 
@@ -155,7 +159,7 @@ class ShardedOptimizer:
             local_state[index] = {}
             for key, value in entry.items():
                 if is_per_element(key, value, shard.spec.shape, shard):
-                    value = shard.spec.local_view(value).clone()
+                    value = self._keep_rows(shard.spec.local_view(value))
                 elif torch.is_tensor(value) and value.dim() > 0:
                     raise ValueError(
                         f"optimizer state {key!r} of parameter {shard.name!r} has shape {tuple(value.shape)}, "

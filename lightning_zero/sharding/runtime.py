@@ -147,7 +147,8 @@ class ZeroRuntime:
     # ---------------------------------------------------------------------------------------------- optimizers
 
     def shard_optimizer(self, optimizer: Optimizer) -> ShardedOptimizer:
-        sharded = ShardedOptimizer(optimizer, self.shard_of)
+        keep_rows = self.offload.keep_state_rows if self.offload is not None else Tensor.clone
+        sharded = ShardedOptimizer(optimizer, self.shard_of, keep_rows)
         if self.offload is not None:
             self.offload.use_fused_kernels(optimizer)
         self.optimizers[id(optimizer)] = sharded
@@ -333,7 +334,10 @@ class ZeroRuntime:
                 raise RuntimeError(
                     f"{shard.name}: the state_dict has shape {tuple(value.shape)}, the model {tuple(shard.spec.shape)}"
                 )
-            shard.local.copy_(shard.spec.local_view(value))
+            if self.offload is not None:
+                self.offload.write_master(shard, shard.spec.local_view(value))
+            else:
+                shard.local.copy_(shard.spec.local_view(value))
         for name, buffer in buffers.items():
             if name in state_dict and torch.is_tensor(buffer):
                 buffer.copy_(state_dict[name])

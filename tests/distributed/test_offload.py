@@ -134,23 +134,37 @@ def _disk_errors(world_size: int, root: Path) -> dict:
 
 def _resume(world_size: int, root: Path) -> dict:
     """Saved with offload, resumed without (and the reverse): the same as an uninterrupted run."""
+    class LoadedInto(pl.Callback):
+        """Where a resumed disk offload holds the optimizer states it loaded, before its first step."""
+
+        in_files: bool | None = None
+
+        def on_train_start(self, trainer, pl_module):
+            offload = trainer.strategy.runtime.offload
+            if hasattr(offload, "store"):
+                states = [v for o in trainer.optimizers for st in o.state.values() for v in st.values()
+                          if torch.is_tensor(v) and v.dim() > 0 and v.numel()]
+                self.in_files = bool(states) and all(offload.store.holds(v) for v in states)
+
     def fit(strategy, steps, ckpt=None):
         pl.seed_everything(5, verbose=False)
-        recorder = Recorder()
-        trainer = make_trainer(strategy, world_size, max_steps=steps, callbacks=[recorder])
+        recorder, loaded = Recorder(), LoadedInto()
+        trainer = make_trainer(strategy, world_size, max_steps=steps, callbacks=[recorder, loaded])
         trainer.fit(StepSeededLM(), ckpt_path=ckpt)
-        return trainer, recorder
+        return trainer, recorder, loaded.in_files
 
     out = {}
-    _, whole = fit(ZeroStrategy(stage=3), 8)
+    _, whole, _ = fit(ZeroStrategy(stage=3), 8)
     for name, first, second in (
         ("offload->plain", {"offload_optimizer": "cpu", "offload_params": "cpu"}, {}),
         ("plain->offload", {}, {"offload_optimizer": "cpu"}),
+        ("plain->disk", {}, {"offload_optimizer": "disk", "offload_params": "disk", "offload_dir": str(root)}),
     ):
-        trainer, _ = fit(ZeroStrategy(stage=3, **first), 4)
+        trainer, _, _ = fit(ZeroStrategy(stage=3, **first), 4)
         trainer.save_checkpoint(root / f"{name}.ckpt")
-        _, resumed = fit(ZeroStrategy(stage=3 if not second else 2, **second), 8, root / f"{name}.ckpt")
-        out[name] = (whole.params[4:], resumed.params)
+        stage = 3 if second.get("offload_params") or not second else 2
+        _, resumed, in_files = fit(ZeroStrategy(stage=stage, **second), 8, root / f"{name}.ckpt")
+        out[name] = (whole.params[4:], resumed.params, in_files)
     return out
 
 
@@ -233,10 +247,12 @@ def test_a_missing_unwritable_or_full_directory_is_one_clear_error_on_every_rank
         assert errors["left"] == []  # no partial state
 
 
-@pytest.mark.parametrize("direction", ["offload->plain", "plain->offload"])
+@pytest.mark.parametrize("direction", ["offload->plain", "plain->offload", "plain->disk"])
 def test_checkpoints_move_between_offloaded_and_in_device_runs(per_rank, direction: str) -> None:
     for rank in per_rank:
-        want, got = rank["resume"][direction]
+        want, got, in_files = rank["resume"][direction]
+        # A resume into disk offload puts each loaded optimizer state straight into a file of its own.
+        assert in_files is (True if direction == "plain->disk" else None)
         assert len(got) == len(want) == 4
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
