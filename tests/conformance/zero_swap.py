@@ -58,9 +58,16 @@ def _stage() -> int | None:
     return int(value) if value else None
 
 
+_running: list[str] = [""]  # the node id of the test this process runs (a test may clear the environment)
+
+
 def _current_test() -> str:
     current = os.environ.get("PYTEST_CURRENT_TEST", "")
-    return current.rsplit(" (", 1)[0]
+    return current.rsplit(" (", 1)[0] or _running[0]
+
+
+def pytest_runtest_logstart(nodeid: str) -> None:
+    _running[0] = nodeid
 
 
 def record(event: str, **fields: Any) -> None:
@@ -86,7 +93,8 @@ def zero_strategy_like(ddp: Any, stage: int) -> tuple[Any, list[str]]:
     dropped = []
     for name, value in ddp._ddp_kwargs.items():
         if name in _RENAMED_DDP_KWARGS:
-            options[_RENAMED_DDP_KWARGS[name]] = value
+            if value is not None:  # DDP's None means its default; so does leaving ZeRO's option out
+                options[_RENAMED_DDP_KWARGS[name]] = value
         else:
             dropped.append(name)
     for name in ("_ddp_comm_state", "_ddp_comm_hook", "_ddp_comm_wrapper", "_model_averaging_period"):
