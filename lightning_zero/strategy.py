@@ -3,8 +3,9 @@
 It subclasses ``DDPStrategy`` for what a data-parallel strategy shares (launchers, cluster environments, process
 group, ``barrier``/``broadcast``/``reduce``, the distributed sampler, ``sync_batchnorm``) and overrides every place
 where DDP assumes a ``DistributedDataParallel`` wrapper: the module is never wrapped, hooks on its parameters do the
-communication. Each hook below delegates: the step to the runtime, checkpoints to ``checkpoint.py``, large-model init
-to ``materialize.py``, what Lightning features need at setup to ``lightning_compat.py``.
+communication. Each hook below delegates: the step to the runtime, checkpoints to ``checkpoint/``, offload to
+``offload/`` (made here, handed to the runtime), large-model init to ``materialize.py``, what Lightning features need
+at setup to ``lightning_compat.py``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""The only module that calls ``torch.distributed``: bucket-level collectives, async handles, byte accounting.
+"""The only module that issues collectives (the watchdog only reads and writes the process group's store): bucket-level
+collectives and what they return in flight (``Gathered``, ``Reduced``, ``Exchanged``), byte accounting, the bucket
+buffers they run in (``BufferPool``), and the one way a bucket is gathered (``gather_bucket``).
 
 Every tensor handed to a collective must live on the group's device (NCCL refuses CPU tensors outright); each call
 checks that and names the caller's tensor when it does not. Buckets (``flat_param.Bucket``) are packed into their
-rank-major buffers here, in one fused copy, and ``InFlight`` is the one pipeline that launches bucket collectives,
-caps how many are pending and completes them in order.
+rank-major buffers here, in one fused copy, and ``InFlight`` is the one queue that completes launched bucket
+collectives in order while bounding how many that hold memory are pending.
 
 [Note: which algorithm each collective uses]
 Where NCCL serves the group's device (backend ``"nccl"``, or a composite one that maps CUDA to it, such as
@@ -19,7 +21,7 @@ as a ring reduce-scatter does and half of what an all-reduce moves; measured wit
 buffer (one thread per rank), 17-23 ms against 28-35 ms for the all-reduce at 2 ranks, 30-37 ms against 50-72 ms at
 4. At 2 ranks the sum is bitwise an all-reduce's (one addition); at more, the order of additions differs from gloo's
 ring by the last bits. The received segments, ``(N-1)/N`` of the buffer, are held until the reduction completes
-(``Pending.held_bytes``; ``InFlight`` bounds how many such reductions are pending). gloo sends and receives host
+(``Issued.held_bytes``; ``InFlight`` bounds how many such reductions are pending). gloo sends and receives host
 tensors only, so with CUDA tensors on gloo (``process_group_backend="gloo"`` on GPUs) the reduce-scatter stays an
 all-reduce of the whole buffer, of which the rank keeps its segment.
 
@@ -100,29 +102,66 @@ class CommStats:
         self.by_op.clear()
 
 
-class Pending:
-    """An in-flight collective; ``wait()`` blocks until it is done and returns its result (once computed)."""
+@dataclass(eq=False, kw_only=True)
+class Issued:
+    """A collective in flight: its async works, and ``guard``, given when it is issued, which runs once before it is
+    waited on (a check that may raise instead of waiting on a mismatched collective: see [Note: ranks that run
+    different units] in param_hooks.py)."""
 
-    def __init__(self, works: list, result: Callable[[], Any], held_bytes: int = 0) -> None:
-        self._works = works
-        self._result = result
-        #: Memory the collective itself holds until it completes, besides the caller's tensors.
-        self.held_bytes = held_bytes
-        #: Called once before the first wait (a check that may raise instead of waiting on a mismatched collective).
-        self.guard: Callable[[], None] | None = None
-        self._value: Any = None
-        self._done = False
+    works: list = field(default_factory=list)
+    guard: Callable[[], None] | None = None
 
-    def wait(self) -> Any:
+    #: Memory the collective itself holds until it completes, besides the caller's tensors.
+    held_bytes: int = 0
+
+    def _complete(self) -> None:
         if self.guard is not None:
             guard, self.guard = self.guard, None
             guard()
-        if not self._done:
-            for work in self._works:
-                work.wait()
-            self._value, self._done = self._result(), True
-            self._works, self._result = [], None
-        return self._value
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+
+
+@dataclass(eq=False, kw_only=True)
+class Gathered(Issued):
+    """An all-gather in flight; ``wait()`` gives the full rank-major buffer."""
+
+    buffer: Tensor
+
+    def wait(self) -> Tensor:
+        self._complete()
+        return self.buffer
+
+
+@dataclass(eq=False, kw_only=True)
+class Reduced(Issued):
+    """A reduce-scatter in flight; ``wait()`` gives this rank's averaged rows, one view per parameter of ``bucket``:
+    ``segment`` itself, once the other ranks' copies of it that the exchange ``received`` (off NCCL) are added in
+    rank order."""
+
+    bucket: Bucket
+    segment: Tensor
+    received: Tensor | None = None
+
+    def wait(self) -> list[Tensor]:
+        self._complete()
+        if self.received is not None:
+            received, self.received = self.received, None
+            for row in received:
+                self.segment.add_(row)
+        return self.bucket.local_views(self.segment)
+
+
+@dataclass(eq=False, kw_only=True)
+class Exchanged(Issued):
+    """Control values in flight between ranks; ``wait()`` gives every rank's, in rank order."""
+
+    tensors: list[Tensor]
+
+    def wait(self) -> list[list[int]]:
+        self._complete()
+        return [t.tolist() for t in self.tensors]
 
 
 class InFlight:
@@ -138,13 +177,13 @@ class InFlight:
 
     def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
         self.limit = limit
-        self._queue: deque[tuple[Pending, Callable[[Any], None], bool]] = deque()
+        self._queue: deque[tuple[Reduced | Gathered, Callable[[Any], None], bool]] = deque()
         self._holding = 0
 
-    def add(self, pending: Pending, on_done: Callable[[Any], None], held_bytes: int) -> None:
-        """Queue ``pending``, which holds ``held_bytes`` of transient memory until ``on_done`` has consumed it."""
+    def add(self, issued: Reduced | Gathered, on_done: Callable[[Any], None], held_bytes: int) -> None:
+        """Queue ``issued``, which holds ``held_bytes`` of transient memory until ``on_done`` has consumed it."""
         holds = held_bytes > 0
-        self._queue.append((pending, on_done, holds))
+        self._queue.append((issued, on_done, holds))
         self._holding += holds
         while self._holding > self.limit:
             self._complete_oldest()
@@ -157,9 +196,9 @@ class InFlight:
         return len(self._queue)
 
     def _complete_oldest(self) -> None:
-        pending, on_done, holds = self._queue.popleft()
+        issued, on_done, holds = self._queue.popleft()
         self._holding -= holds
-        on_done(pending.wait())
+        on_done(issued.wait())
 
 
 class BufferPool:
@@ -215,6 +254,35 @@ class BufferPool:
 
     def nbytes(self) -> int:
         return sum(b.untyped_storage().nbytes() for b in self.buffers())
+
+
+@dataclass(eq=False)
+class BucketGather:
+    """One bucket's all-gather into a buffer of its own or one from ``pool`` (``pooled``); ``complete(unpack)`` waits,
+    hands the full buffer to ``unpack``, then gives the pool's buffer back (nothing refers to it any more)."""
+
+    gathered: Gathered
+    pool: BufferPool
+    pooled: Tensor | None
+
+    def complete(self, unpack: Callable[[Tensor], Any]) -> Any:
+        result = unpack(self.gathered.wait())
+        if self.pooled is not None:
+            self.pool.give(self.pooled)
+            self.pooled = None
+        return result
+
+
+def gather_bucket(
+    comms: Collectives, pool: BufferPool, bucket: Bucket, sources: Sequence[Tensor] | None = None,
+    into: Tensor | None = None, guard: Callable[[], None] | None = None,
+) -> BucketGather:
+    """Issue ``bucket``'s all-gather (of ``sources``, default each shard's ``gather_source``) into ``into`` (a tensor
+    that already is the bucket's rank-major buffer: a parameter gathered in place) or a buffer from ``pool``; the one
+    way stages 1-3 and the end of fit gather a bucket."""
+    buffer = into if into is not None else pool.take(bucket.full_numel, bucket.dtype)
+    gathered = comms.all_gather(bucket, sources, buffer=buffer, guard=guard)
+    return BucketGather(gathered, pool, None if into is not None else buffer)
 
 
 class Collectives:
@@ -276,33 +344,36 @@ class Collectives:
     # ------------------------------------------------------------------------------------------- bucket collectives
 
     def reduce_scatter(
-        self, bucket: Bucket, grads: Sequence[Tensor | None], what: str = "gradients", buffer: Tensor | None = None
-    ) -> Pending:
-        """Average full-shape gradients across ranks; the pending result is this rank's reduced shards (one view
-        per parameter of ``bucket``, in the bucket's dtype). ``None`` gradients count as zeros. ``buffer``: a
-        full-size buffer to pack into (default: a new one); the result may view it."""
+        self, bucket: Bucket, grads: Sequence[Tensor | None], what: str = "gradients", buffer: Tensor | None = None,
+        guard: Callable[[], None] | None = None,
+    ) -> Reduced:
+        """Average full-shape gradients across ranks; waited, this rank's reduced shards (one view per parameter of
+        ``bucket``, in the bucket's dtype). ``None`` gradients count as zeros. ``buffer``: a full-size buffer to pack
+        into (default: a new one); the result may view it. ``guard``: see ``Issued``."""
         self.check(f"the {what} of {bucket.shards[0].name}", bucket.device)
         buffer = bucket.empty() if buffer is None else buffer
         bucket.pack(grads, buffer)
         n = self.world_size
         if self.local:
-            return Pending([], lambda: bucket.local_views(buffer))
+            return Reduced(bucket=bucket, segment=buffer, guard=guard)
         buffer.div_(n)  # before the sum, as DistributedDataParallel does, so the result matches its gradients
         nbytes = buffer.numel() * buffer.element_size()
+        logical = nbytes * (n - 1) / n
         if self.native:
             out = bucket.empty(bucket.segment_numel)
             work = _native("reduce_scatter_single", "reduce_scatter_tensor")(out, buffer, group=self.group, async_op=True)
-            self.stats.record("reduce_scatter", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
-            return Pending([work], lambda: bucket.local_views(out), out.numel() * out.element_size())
+            self.stats.record("reduce_scatter", logical, logical)
+            return Reduced(bucket=bucket, segment=out, works=[work], guard=guard,
+                           held_bytes=out.numel() * out.element_size())
         if self.device.type != "cpu":  # gloo sends and receives host tensors only: reduce a device buffer whole
             work = dist.all_reduce(buffer, group=self.group, async_op=True)
-            self.stats.record("reduce_scatter", nbytes * (n - 1) / n, 2 * nbytes * (n - 1) / n)
-            return Pending([work], lambda: bucket.local_views(bucket.segment(buffer)))
+            self.stats.record("reduce_scatter", logical, 2 * logical)
+            return Reduced(bucket=bucket, segment=bucket.segment(buffer), works=[work], guard=guard)
         received = torch.empty(n - 1, bucket.segment_numel, dtype=buffer.dtype, device=buffer.device)
         works = self._swap_segments(buffer.view(n, -1), received)
-        self.stats.record("reduce_scatter", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
-        held = received.numel() * received.element_size()
-        return Pending(works, lambda: bucket.local_views(_add_rows(bucket.segment(buffer), received)), held)
+        self.stats.record("reduce_scatter", logical, logical)
+        return Reduced(bucket=bucket, segment=bucket.segment(buffer), received=received, works=works, guard=guard,
+                       held_bytes=received.numel() * received.element_size())
 
     def _swap_segments(self, table: Tensor, received: Tensor) -> list:
         """Send row ``p`` of ``table`` to group rank ``p`` and receive each other rank's row of this rank into
@@ -317,11 +388,12 @@ class Collectives:
         return dist.batch_isend_irecv(ops) if ops else []  # alone (shortcut_single_rank=False): nothing to swap
 
     def all_gather(
-        self, bucket: Bucket, shards: Sequence[Tensor] | None = None, buffer: Tensor | None = None
-    ) -> Pending:
-        """Gather every rank's shards of ``bucket`` (default: each shard's ``gather_source``, cast to the bucket's dtype);
-        the pending result is the full rank-major buffer (``buffer`` if given), for ``Bucket.unpack`` or
-        ``Bucket.unpack_to_storage``."""
+        self, bucket: Bucket, shards: Sequence[Tensor] | None = None, buffer: Tensor | None = None,
+        guard: Callable[[], None] | None = None,
+    ) -> Gathered:
+        """Gather every rank's shards of ``bucket`` (default: each shard's ``gather_source``, cast to the bucket's
+        dtype); waited, the full rank-major buffer (``buffer`` if given), for ``Bucket.unpack`` or
+        ``Bucket.unpack_to_storage``. ``guard``: see ``Issued``."""
         sources = [s.gather_source for s in bucket.shards] if shards is None else shards
         self.check(f"the shard of {bucket.shards[0].name}", bucket.device)
         buffer = bucket.empty() if buffer is None else buffer
@@ -329,7 +401,7 @@ class Collectives:
             bucket.pack_local(sources, bucket.segment(buffer))
         n = self.world_size
         if self.local:
-            return Pending([], lambda: buffer)
+            return Gathered(buffer=buffer, guard=guard)
         nbytes = buffer.numel() * buffer.element_size()
         self.stats.record("all_gather", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
         table = buffer.view(n, -1)
@@ -338,7 +410,7 @@ class Collectives:
             works = [gather(buffer, table[self.rank], group=self.group, async_op=True)]
         else:
             works = [dist.broadcast(table[r], src=self._global_rank(r), group=self.group, async_op=True) for r in range(n)]
-        return Pending(works, lambda: buffer)
+        return Gathered(buffer=buffer, works=works, guard=guard)
 
     # ----------------------------------------------------------------------------------------------- small tensors
 
@@ -380,15 +452,15 @@ class Collectives:
         messages, not model state: not counted in ``stats``."""
         return self.exchange_async(values).wait()
 
-    def exchange_async(self, values: Sequence[int]) -> Pending:
-        """``exchange`` without waiting: the pending result is every rank's ``values``."""
-        if self.local:
-            return Pending([], lambda: [list(values)])
-        self.open_control_channel()
+    def exchange_async(self, values: Sequence[int]) -> Exchanged:
+        """``exchange`` without waiting: waited, every rank's ``values``."""
         tensor = torch.tensor(list(values), dtype=torch.int64)
+        if self.local:
+            return Exchanged(tensors=[tensor])
+        self.open_control_channel()
         everyone = [torch.empty_like(tensor) for _ in range(self.world_size)]
         work = dist.all_gather(everyone, tensor, group=self._control, async_op=True)
-        return Pending([work], lambda: [t.tolist() for t in everyone])
+        return Exchanged(tensors=everyone, works=[work])
 
     def abort(self) -> None:
         """End every collective this group has in flight, before raising an error that leaves some of them without
@@ -419,13 +491,6 @@ def _device_backends(group: dist.ProcessGroup | None) -> dict[str, str]:
 
 #: Point-to-point tags stay below this (gloo takes any 32-bit tag; ranks count exchanges alike, so tags agree).
 _MAX_TAG = 1 << 30
-
-
-def _add_rows(segment: Tensor, received: Tensor) -> Tensor:
-    """``segment`` plus each row of ``received``, in place, in rank order (at 2 ranks exactly an all-reduce's sum)."""
-    for row in received:
-        segment.add_(row)
-    return segment
 
 
 def _native(name: str, before_2_13: str) -> Callable:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -178,6 +179,49 @@ class GradShards:
         return list(self._storage.values())
 
 
+class BucketReductions:
+    """The one way gradients are reduced, for stages 1-3: each bucket's reduce-scatter is launched from its gradients
+    (packed into a pool buffer, or, ``in_place``, reduced where a large gradient already lies), and once it completes
+    the rows are stored in ``GradShards`` and the buffer goes back to the pool. At most ``MAX_IN_FLIGHT`` reductions
+    holding memory are pending (``InFlight``)."""
+
+    def __init__(self, comms: Collectives, pool: BufferPool, grad_shards: GradShards) -> None:
+        self.comms = comms
+        self.pool = pool
+        self.grad_shards = grad_shards
+        self._in_flight = InFlight()
+
+    def launch(self, bucket: Bucket, grads: list[Tensor | None], stored: Sequence[bool], in_place: bool = False,
+               guard: Callable[[], None] | None = None) -> None:
+        """Reduce ``grads`` (``None`` counts as zeros) and store the rows of the shards marked in ``stored``."""
+        buffer = bucket.own_buffer(grads) if in_place else None
+        pooled = None
+        if buffer is None:
+            buffer = pooled = self.pool.take(bucket.full_numel, bucket.dtype)
+        reduced = self.comms.reduce_scatter(bucket, grads, buffer=buffer, guard=guard)
+        keep_full = self.grad_shards.keep_full_grads
+        if not keep_full:
+            for shard in bucket.shards:
+                shard.param.grad = None
+        # What stays allocated until the reduction completes: the pool buffer, or under stages 2 and 3 the full
+        # gradient reduced in place (freed once its rows are stored), and off NCCL the segments it receives.
+        holds_buffer = pooled is not None or not keep_full
+        held = reduced.held_bytes + (buffer.numel() * buffer.element_size() if holds_buffer else 0)
+        self._in_flight.add(reduced, partial(self._store, bucket, grads, stored, pooled), held)
+
+    def _store(self, bucket: Bucket, grads: list, stored: Sequence[bool], pooled: Tensor | None,
+               reduced: list[Tensor]) -> None:
+        for shard, full, rows, keep in zip(bucket.shards, grads, reduced, stored):
+            if keep:
+                self.grad_shards.store(shard, rows, full)
+        if pooled is not None:
+            self.pool.give(pooled)  # the rows were copied out: the buffer serves the next bucket
+
+    def drain(self) -> None:
+        """Complete every reduction launched."""
+        self._in_flight.drain()
+
+
 class GradReducer:
     """Stages 1 and 2: reduce-scatters the gradients of ``shards`` bucket by bucket into ``GradShards``.
 
@@ -188,10 +232,10 @@ class GradReducer:
     def __init__(self, shards: Sequence[ParamShard], comms: Collectives, config: CommConfig, keep_full_grads: bool,
                  pool: BufferPool | None = None, storage: ShardStorage | None = None):
         self.comms = comms
-        self.pool = pool or BufferPool(comms.device)
         self.config = config
         self.keep_full_grads = keep_full_grads
         self.grad_shards = GradShards(comms.world_size, keep_full_grads, storage)
+        self._reductions = BucketReductions(comms, pool or BufferPool(comms.device), self.grad_shards)
         self._order = [s for s in reversed(shards) if s.param.is_floating_point()]
         self._plans: dict[tuple[bool, ...], list[Bucket]] = {}
         self._plan_key: tuple[bool, ...] | None = None
@@ -199,7 +243,6 @@ class GradReducer:
         self._position: dict[ParamShard, tuple[int, int]] = {}
         self._ready: list[list[bool]] = []
         self._next_launch = 0
-        self._in_flight = InFlight()
         self._deferring = False
         self._started = False
         self._warned_unused = False
@@ -256,29 +299,10 @@ class GradReducer:
 
     def _launch(self, index: int, used: list[bool] | None = None) -> None:
         bucket = self._buckets[index]
-        grads = [s.param.grad if used is None or used[i] else None for i, s in enumerate(bucket.shards)]
-        buffer = bucket.own_buffer(grads)  # a large gradient is reduced where it is
-        pooled = None
-        if buffer is None:
-            buffer = pooled = self.pool.take(bucket.full_numel, bucket.dtype)
-        pending = self.comms.reduce_scatter(bucket, grads, buffer=buffer)
-        if not self.keep_full_grads:
-            for shard in bucket.shards:
-                shard.param.grad = None
+        stored = used if used is not None else [True] * len(bucket)
+        grads = [s.param.grad if keep else None for s, keep in zip(bucket.shards, stored)]
         self._next_launch = index + 1
-        # What stays allocated until the reduction completes: the pool buffer, or under stage 2 the full gradient
-        # reduced in place (freed once its rows are stored), and off NCCL the segments it receives.
-        holds_buffer = pooled is not None or not self.keep_full_grads
-        held = pending.held_bytes + (buffer.numel() * buffer.element_size() if holds_buffer else 0)
-        self._in_flight.add(pending, lambda reduced: self._store(bucket, grads, reduced, used, pooled), held)
-
-    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], used: list[bool] | None,
-               pooled: Tensor | None) -> None:
-        for i, (shard, full, rows) in enumerate(zip(bucket.shards, grads, reduced)):
-            if used is None or used[i]:
-                self.grad_shards.store(shard, rows, full)
-        if pooled is not None:
-            self.pool.give(pooled)  # the rows were copied out: the buffer serves the next bucket
+        self._reductions.launch(bucket, grads, stored, in_place=True)  # a large gradient is reduced where it is
 
     # ------------------------------------------------------------------------------------------------ after backward
 
@@ -294,7 +318,7 @@ class GradReducer:
             self._warn_unused()
         while self._next_launch < len(self._buckets):
             self._launch(self._next_launch, used[self._next_launch] if used is not None else None)
-        self._in_flight.drain()
+        self._reductions.drain()
         self.grad_shards.settle()
         self._ready = [[False] * len(b) for b in self._buckets]
         self._next_launch = 0

@@ -20,16 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from functools import partial
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.config import CommConfig, Stage3Config
-from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives, InFlight
+from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
-from lightning_zero.sharding.grad_hooks import GradHooks, GradShards, ShardStorage, warn_unused
+from lightning_zero.sharding.grad_hooks import BucketReductions, GradHooks, GradShards, ShardStorage, warn_unused
 from lightning_zero.sharding.unit_state import (
     UNBOUNDED,
     RankDivergenceError,
@@ -93,7 +92,7 @@ class ShardedParams:
             unit.pool = self.pool
         self._done: set[Unit] = set()
         self._next_reduce = 0
-        self._in_flight = InFlight()
+        self._reductions = BucketReductions(comms, self.pool, self.grad_shards)
         self._input_grad_calls: dict[Unit, int] = {}
         self._forward_order: list[Unit] = []
         self._last_order: list[Unit] = []
@@ -184,19 +183,8 @@ class ShardedParams:
             if used is None and not self._warned_unused and any(g is None for g in grads):
                 self._warned_unused = True
                 warn_unused([s.name for s, g in zip(bucket.shards, grads) if g is None])
-            buffer = self.pool.take(bucket.full_numel, bucket.dtype)
-            pending = self.comms.reduce_scatter(bucket, grads, buffer=buffer)
-            pending.guard = guard
-            for shard in bucket.shards:
-                shard.param.grad = None
-            held = pending.held_bytes + bucket.full_numel * bucket.dtype.itemsize  # the packed buffer
-            self._in_flight.add(pending, partial(self._store, bucket, grads, buffer=buffer), held)
-
-    def _store(self, bucket: Bucket, grads: list, reduced: list[Tensor], buffer: Tensor) -> None:
-        for shard, grad, rows in zip(bucket.shards, grads, reduced):
-            if grad is not None or not self.comm.find_unused_parameters:
-                self.grad_shards.store(shard, rows)
-        self.pool.give(buffer)  # the rows were copied out
+            stored = [g is not None or not self.comm.find_unused_parameters for g in grads]
+            self._reductions.launch(bucket, grads, stored, guard=guard)
 
     def _largest_buffer(self, unit: Unit) -> int:
         """Bytes of the largest rank-major buffer ``unit`` gathers or reduces through."""
@@ -228,7 +216,7 @@ class ShardedParams:
         used = self._agree_on_used() if self.comm.find_unused_parameters else None
         while self._next_reduce < len(self._reduce_order):
             self._launch_reduce(self._reduce_order[self._next_reduce], used)
-        self._in_flight.drain()
+        self._reductions.drain()
         self.grad_shards.settle()
         for unit in self.units:
             unit.reshard()
@@ -255,7 +243,7 @@ class ShardedParams:
         CPU ranks: 507-536 ms a step against 438-482 ms without the check). So a rank waits for it only when it is
         about to issue something other than ``_expected``, the sequence of unit collectives of the last two steps where
         they were the same (the first steps, a branch taken, the first evaluation steps); otherwise it issues the
-        collective at once and checks the swap before waiting on it (``Pending.guard``). The steps before were
+        collective at once and checks the swap before waiting on it (the collective's ``guard``). The steps before were
         checked, so every rank starts a step expecting the same sequence: where two ranks are about to issue different
         collectives, at least one of them leaves the expected sequence, checks before issuing and raises, and the
         mismatched pair is never issued. The collective the other rank did issue has no counterpart, so under NCCL a
@@ -267,8 +255,8 @@ class ShardedParams:
         position = len(self._sequence)
         self._sequence.append((mine[0], mine[1]))
         if position < len(self._expected) and self._expected[position] == self._sequence[-1]:
-            pending = self.comms.exchange_async(mine)
-            return lambda: self._check_same_unit(kind, unit, mine, pending.wait())
+            exchanged = self.comms.exchange_async(mine)
+            return lambda: self._check_same_unit(kind, unit, mine, exchanged.wait())
         self._check_same_unit(kind, unit, mine, self.comms.exchange(mine))
         return None
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -42,9 +43,10 @@ from torch.overrides import TorchFunctionMode
 from lightning_zero.config import CommConfig
 from lightning_zero.sharding.collectives import (
     MAX_IN_FLIGHT,
+    BucketGather,
     BufferPool,
     Collectives,
-    Pending,
+    gather_bucket,
 )
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
@@ -61,10 +63,10 @@ class ReplicatedParams:
         self._buckets: dict[tuple[ParamShard, ...], list[Bucket]] = {}
         #: Buckets launched or queued, in launch order, and the index of the first one not completed.
         self._order: list[Bucket] = []
-        #: Per launched bucket: its gather and its buffer from the pool (None: gathered into the parameter itself).
-        self._launched: list[tuple[Pending, Tensor | None] | None] = []
+        #: Per launched bucket, its gather (None once completed).
+        self._launched: list[BucketGather | None] = []
         self._done = 0
-        #: Pending parameter (by id) -> index of its bucket in ``_order``.
+        #: Parameter (by id) whose bucket is in flight -> index of its bucket in ``_order``.
         self._pending: dict[int, int] = {}
         by_param = {s.param: s for s in shards}
         self._owned: dict[nn.Module, list[ParamShard]] = {}
@@ -106,27 +108,23 @@ class ReplicatedParams:
         parameter gathered in place holds none)."""
         while len(self._launched) < len(self._order):
             bucket = self._order[len(self._launched)]
-            buffer = bucket.own_buffer([s.param for s in bucket.shards])  # a large parameter is gathered in place
-            pooled = None
-            if buffer is None:
-                if sum(held is not None for _, held in self._launched[self._done :]) >= MAX_IN_FLIGHT:
-                    return
-                buffer = pooled = self.pool.take(bucket.full_numel, bucket.dtype)
-            self._launched.append((self.comms.all_gather(bucket, buffer=buffer), pooled))
+            own = bucket.own_buffer([s.param for s in bucket.shards])  # a large parameter is gathered in place
+            if own is None and sum(g.pooled is not None for g in self._launched[self._done :]) >= MAX_IN_FLIGHT:
+                return
+            self._launched.append(gather_bucket(self.comms, self.pool, bucket, into=own))
 
     def _complete_through(self, index: int) -> None:
         """Complete every bucket up to ``index`` in launch order, launching the next one as each frees its buffer."""
         self._completing = True  # the unpack's own operations touch pending parameters: not a read to guard
         try:
             while self._done <= index:
-                bucket, (pending, pooled) = self._order[self._done], self._launched[self._done]
-                bucket.unpack(pending.wait(), [s.param for s in bucket.shards])
+                bucket = self._order[self._done]
+                params = [s.param for s in bucket.shards]
+                self._launched[self._done].complete(partial(bucket.unpack, tensors=params))
                 for shard in bucket.shards:
                     shard.mark_written()
                     self._pending.pop(id(shard.param), None)
                 self._launched[self._done] = None
-                if pooled is not None:
-                    self.pool.give(pooled)
                 self._done += 1
                 self._launch_more()
             if self._done == len(self._order):

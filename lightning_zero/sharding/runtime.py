@@ -4,7 +4,8 @@ Stage 1 is the sharded optimizer, a ``GradReducer`` that keeps full gradients an
 boundary, and ``ReplicatedParams`` (all-gather after the update). Stage 2 swaps in the reducer that keeps only
 gradient shards. Stage 3 replaces both with ``ShardedParams`` (param_hooks.py), which gathers each unit around its
 forward and backward and reduces per unit. The runtime only talks to these two roles: ``self.gradients`` (before and
-after each backward) and ``self.parameters`` (around each step, after each update). At world size 1 both roles are
+after each backward) and ``self.parameters`` (around each step, after each update), and to the offload the strategy
+hands it, each through its Protocol in roles.py. At world size 1 both roles are
 ``SingleRank`` (single_rank.py): no hooks, no copies. Making the shards is shards.py's; the step's arithmetic
 (global norm, clip coefficient, loss-scale inverse, non-finite policy) is scaling.py's.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,12 +46,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.sharding.collectives import BufferPool, Collectives
+from lightning_zero.sharding.collectives import BufferPool, Collectives, gather_bucket
 from lightning_zero.sharding.flat_param import ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import GradReducer
 from lightning_zero.sharding.optimizer import ShardedOptimizer
 from lightning_zero.sharding.param_hooks import ShardedParams
 from lightning_zero.sharding.replicated import ReplicatedParams
+from lightning_zero.sharding.roles import GradientRole, Offload, ParameterRole
 from lightning_zero.sharding.scaling import (
     NonFiniteGradientsError,
     StepScaling,
@@ -85,7 +88,7 @@ class ZeroRuntime:
         comms: Collectives,
         working_dtype: torch.dtype | None = None,
         materialized: Materialized | None = None,
-        offload: Callable[[list[ParamShard]], Any] | None = None,
+        offload: Callable[[list[ParamShard]], Offload] | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -97,18 +100,21 @@ class ZeroRuntime:
                                              self.single_rank)
         self.shard_of = {s.param: s for s in self.shards}
         #: Where the masters and optimizer states live when offloaded (``lightning_zero.offload``), made from the shards.
-        self.offload = offload(self.shards) if offload is not None else None
+        self.offload: Offload | None = offload(self.shards) if offload is not None else None
         self._module_hooks = load_state_dict_hooks(module, self.shards, before_load=self.wait)
         self._evaluation_hold = ExitStack()
+        self.parameters: ParameterRole
+        self.gradients: GradientRole
         if self.single_rank:
             if config.stage == 3:  # nothing is gathered by unit, but a units= entry that names no module is an error
                 plan_units(module, config.stage3.units, config.stage3.unit_bytes)
             self.parameters = self.gradients = SingleRank(self.shards, config.comm.find_unused_parameters)
         elif config.stage == 3:
-            self.parameters = self.gradients = self._sharded_params()
+            sharded = self._sharded_params()
             if self.offload is not None:
-                for unit in self.parameters.all_units:
+                for unit in sharded.all_units:
                     unit.staged = self.offload.staged
+            self.parameters = self.gradients = sharded
         else:
             pool = BufferPool(comms.device)  # bucket buffers shared by the gradient and parameter pipelines
             self.parameters = ReplicatedParams(module, self.shards, comms, config.comm, pool)
@@ -367,16 +373,18 @@ class ZeroRuntime:
                 self.offload.close(optimizers)
             return
         replaced = [s for s in self.shards if s.local.dtype != s.dtype or s.sharded]
+        keep = self.offload.full_parameter if self.offload is not None else Tensor.to
+        transient = BufferPool(self.comms.device, limit=0)  # one bucket buffer at a time, not kept
         for dtype in {s.local.dtype for s in replaced}:
             for bucket in make_buckets([s for s in replaced if s.local.dtype == dtype], self.config.comm.bucket_bytes, dtype):
+                params = [s.param for s in bucket.shards]
                 for shard in bucket.shards:
                     shard.param.data = torch.empty(shard.spec.shape, dtype=dtype, device=shard.device)
                     shard.sharded = False
-                gathered = self.comms.all_gather(bucket, [s.local for s in bucket.shards]).wait()
-                bucket.unpack(gathered, [s.param for s in bucket.shards])
-                for shard in bucket.shards:
-                    keep = self.offload.full_parameter if self.offload is not None else Tensor.to
-                    shard.param.data = keep(shard.param.data, device)
+                gather_bucket(self.comms, transient, bucket, [s.local for s in bucket.shards]).complete(
+                    partial(bucket.unpack, tensors=params))
+                for param in params:
+                    param.data = keep(param.data, device)
         if self.offload is not None:
             self.offload.close(optimizers)
 

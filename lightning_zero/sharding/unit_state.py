@@ -29,11 +29,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum, auto
+from functools import partial
 
 from torch import Tensor, nn
 
-from lightning_zero.sharding.collectives import BufferPool, Collectives, Pending
-from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
+from lightning_zero.sharding.collectives import BucketGather, BufferPool, Collectives, gather_bucket
+from lightning_zero.sharding.flat_param import ParamShard, make_buckets
 
 #: A bucket size with no cap: a unit moves its parameters of one dtype in one collective.
 UNBOUNDED = 1 << 62
@@ -90,7 +91,7 @@ class Unit:
         #: In state BACKWARD: the shards whose gradient has not been accumulated yet, and "inputs" once per forward
         #: call whose inputs' gradients do not exist yet.
         self.outstanding: Counter = Counter()
-        self._pending: list[tuple[Bucket, Pending, Tensor]] = []
+        self._gathers: list[BucketGather] = []
 
     def __repr__(self) -> str:
         return f"unit {self.name!r}"
@@ -105,15 +106,13 @@ class Unit:
         if self.state is not UnitState.SHARDED:
             return
         guard = self.announce("gather", self) if self.gather_buckets else None
-        self._pending = []
         with self.staged(self.shards) as sources:
             source_of = dict(zip(self.shards, sources)) if sources is not None else None
-            for bucket in self.gather_buckets:
-                buffer = self.pool.take(bucket.full_numel, bucket.dtype)
-                packed = [source_of[s] for s in bucket.shards] if source_of is not None else None
-                pending = self.comms.all_gather(bucket, packed, buffer=buffer)
-                pending.guard = guard
-                self._pending.append((bucket, pending, buffer))
+            self._gathers = [
+                gather_bucket(self.comms, self.pool, bucket,
+                              [source_of[s] for s in bucket.shards] if source_of is not None else None, guard=guard)
+                for bucket in self.gather_buckets
+            ]
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -121,17 +120,17 @@ class Unit:
         self.start_unshard()
         if self.state is not UnitState.GATHERING:
             return
-        for i, (bucket, pending, buffer) in enumerate(self._pending):
+        for i, (bucket, gather) in enumerate(zip(self.gather_buckets, self._gathers)):
             storage = self._storages[i]
             if storage is None:
                 storage = self._storages[i] = bucket.empty()
             else:
                 storage.untyped_storage().resize_(storage.nbytes)
-            for shard, piece in zip(bucket.shards, bucket.unpack_to_storage(pending.wait(), storage)):
+            pieces = gather.complete(partial(bucket.unpack_to_storage, storage=storage))
+            for shard, piece in zip(bucket.shards, pieces):
                 shard.to_unsharded(piece)
                 shard.mark_written()
-            self.pool.give(buffer)  # unpacked: nothing refers to it any more
-        self._pending = []
+        self._gathers = []
         self.state = UnitState.UNSHARDED
 
     def reshard(self, keep_edits: bool = True) -> None:

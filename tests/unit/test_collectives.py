@@ -49,13 +49,15 @@ def test_tensors_on_the_group_device_pass() -> None:
 
 
 def test_in_flight_bounds_the_memory_pending_collectives_hold() -> None:
-    from lightning_zero.sharding.collectives import InFlight, Pending
+    from lightning_zero.sharding.collectives import Exchanged, InFlight
 
     done: list[str] = []
     in_flight = InFlight(limit=2)
+    names = {}
 
     def add(name: str, held: int) -> None:
-        in_flight.add(Pending([], lambda: name), done.append, held)
+        names[len(names)] = name
+        in_flight.add(Exchanged(tensors=[torch.tensor([len(names) - 1])]), lambda v: done.append(names[v[0][0]]), held)
 
     add("a", 30)
     add("in-place", 0)  # holds nothing: never counts
