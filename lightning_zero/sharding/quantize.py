@@ -261,10 +261,11 @@ def error_bound(absmax: Tensor, fmt: BlockFormat) -> Tensor:
 
 
 def quantize(values: Tensor, fmt: BlockFormat, out: Tensor | None = None) -> Quantized:
-    """Quantize ``values`` ``(..., n)`` (fp32, bf16 or fp16, any strides) row by row into a payload ``(..., nbytes)``
-    (``out``, or a new one; see [Note: the block-quantized payload])."""
+    """Quantize ``values`` ``(..., n)`` (fp32, bf16 or fp16, any strides; a 0-d tensor counts as one element) row by
+    row into a payload ``(..., nbytes)`` (``out``, or a new one; see [Note: the block-quantized payload])."""
     if values.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize: values.dtype={values.dtype} is not one of {_FLOAT_DTYPES}")
+    values = values.reshape(1) if values.dim() == 0 else values
     layout = fmt.layout(values.shape[-1])
     payload = _payload_out(out, (*values.shape[:-1], layout.nbytes), values.device)
     nonfinite = torch.zeros((), dtype=torch.bool, device=values.device)

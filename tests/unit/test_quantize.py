@@ -146,6 +146,8 @@ def test_sizes_that_are_not_a_multiple_of_the_block(numel: int, fmt: BlockFormat
     assert restored.shape == (numel,)
     if numel == 1:  # one element is its own block's maximum: exact up to the product's rounding
         assert restored.item() == pytest.approx(values.item(), rel=2**-22)
+        scalar = quantize(values[0], fmt).payload  # a 0-d tensor is one element
+        assert torch.equal(scalar, quantize(values, fmt).payload)
 
 
 def test_default_block_size_on_a_tensor_of_several_blocks_and_a_tail() -> None:
