@@ -204,10 +204,10 @@ class PayloadLayout:
     def parts(self, values: Tensor, payload: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
         """``(values, scales, codes)`` views of the whole blocks and of the partial last one, each shaped
         ``(..., blocks, L)``, ``(..., blocks)`` and ``(..., blocks, code bytes of L)``."""
-        block, whole = self.fmt.block_size, self.full_blocks * self.fmt.block_size
-        per_byte = 1 if self.fmt.bits == 8 else 2
         if self.numel == 0:
             return []
+        block, whole = self.fmt.block_size, self.full_blocks * self.fmt.block_size
+        per_byte = 1 if self.fmt.bits == 8 else 2
         scales, codes = self.scales(payload), self.codes(payload)
         parts = []
         if self.full_blocks:
@@ -339,7 +339,8 @@ def _scratch(values: Tensor, chunks: list[slice]) -> Tensor:
 
 
 def _quantize_blocks(values: Tensor, scales: Tensor, codes: Tensor, fmt: BlockFormat) -> Tensor:
-    """Quantize ``values`` ``(..., blocks, L)`` into ``scales`` and ``codes``; returns whether a block was not finite."""
+    """Quantize ``values`` ``(..., blocks, L)`` into ``scales`` and ``codes``; returns whether a block held an inf or
+    a NaN."""
     chunks = _chunks(values)
     scratch = _scratch(values, chunks)
     nonfinite = torch.zeros((), dtype=torch.bool, device=values.device)
@@ -518,6 +519,10 @@ def reference_two_stage_reduce_scatter(
     world = len(buffers)
     if world % group_size:
         raise ValueError(f"{world} ranks do not split into groups of group_size={group_size}")
+    if len({b.numel() for b in buffers}) != 1 or buffers[0].numel() % world:
+        raise ValueError(
+            f"buffers of {sorted({b.numel() for b in buffers})} elements; expected one size, a multiple of {world}"
+        )
     size = buffers[0].numel() // world
     segments = [b.reshape(world, size) for b in buffers]
     result = []

@@ -300,6 +300,10 @@ def test_bad_arguments_name_what_is_wrong() -> None:
         quantize(torch.randn(100), fmt, out=torch.empty(100, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"TwoStageReduce.group_size=0 must be >= 1"):
         TwoStageReduce(groups=2, group_size=0, segment_numel=10)
+    with pytest.raises(ValueError, match="3 ranks do not split into groups of group_size=2"):
+        reference_two_stage_reduce_scatter([torch.zeros(6)] * 3, 2, fmt)
+    with pytest.raises(ValueError, match=r"buffers of \[6, 8\] elements; expected one size, a multiple of 2"):
+        reference_two_stage_reduce_scatter([torch.zeros(6), torch.zeros(8)], 2, fmt)
 
 
 # ----- segments -----
@@ -337,7 +341,8 @@ def test_a_bucket_buffer_round_trips_within_the_bound_of_its_segments() -> None:
     restored_buffer = dequantize_segments(payload, fmt, buffer.numel())
     bounds = error_bound(_block_absmax(buffer.view(world, -1), 16).flatten(), fmt)
     assert ((buffer.double() - restored_buffer.double()).abs() <= bounds).all()
-    restored, bound_of = [torch.empty_like(t) for t in tensors], [torch.empty_like(t, dtype=torch.float64) for t in tensors]
+    restored = [torch.empty_like(t) for t in tensors]
+    bound_of = [torch.empty_like(t, dtype=torch.float64) for t in tensors]
     bucket.unpack(restored_buffer, restored)
     bucket.unpack(bounds, bound_of)
     for original, back, bound in zip(tensors, restored, bound_of):
@@ -359,21 +364,20 @@ def _simulate(buffers: list[torch.Tensor], plan: TwoStageReduce) -> tuple[list[t
     """What each rank ends with when the plan's steps run with all-to-alls done by indexing: rank ``(g, k)``
     receives row ``k`` of each group member's first payload, then row ``g`` of each ``(g', k)``'s second."""
     groups, size = plan.groups, plan.group_size
-    rank = lambda g, k: g * size + k  # noqa: E731
     first = [plan.quantize_intra(b) for b in buffers]
     assert all(q.payload.shape == (size, groups, plan.intra.layout(plan.segment_numel).nbytes) for q in first)
     assert all(q.payload.is_contiguous() for q in first)
     partials = [None] * len(buffers)
     for g in range(groups):
         for k in range(size):
-            received = torch.stack([first[rank(g, j)].payload[k] for j in range(size)])
-            partials[rank(g, k)] = plan.reduce_intra(received)
+            received = torch.stack([first[g * size + j].payload[k] for j in range(size)])
+            partials[g * size + k] = plan.reduce_intra(received)
     second = [plan.quantize_inter(p) for p in partials]
     results = [None] * len(buffers)
     for g in range(groups):
         for k in range(size):
-            received = torch.stack([second[rank(h, k)].payload[g] for h in range(groups)])
-            results[rank(g, k)] = plan.reduce_inter(received)
+            received = torch.stack([second[h * size + k].payload[g] for h in range(groups)])
+            results[g * size + k] = plan.reduce_inter(received)
     flags = [bool(a.nonfinite or b.nonfinite) for a, b in zip(first, second)]
     return results, flags
 
