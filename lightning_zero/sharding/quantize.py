@@ -93,6 +93,9 @@ form ``G`` groups ("nodes") of ``K`` consecutive ranks, rank ``g * K + k``.
    dequantizes the ``G`` chunks it receives and sums them in fp32, in order of ``g``: its own segment, summed over all
    ``N`` ranks.
 
+A stage with one member (``K = 1``, or ``G = 1``) is an exchange with oneself that saves no bytes; it is quantized all
+the same, so that every topology runs the same steps and the reference stays one definition.
+
 Every value is dequantized before it is summed, so quantization errors add and never compound: an element's error is
 at most the sum, over the ``N`` source blocks and the ``G`` partial blocks it went through, of their ``error_bound``,
 plus the rounding of the fp32 sums. Each rank sends ``(K - 1) * G * P1`` bytes inside its group and ``(G - 1) * P2``
