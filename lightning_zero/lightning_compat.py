@@ -1,5 +1,6 @@
-"""What Lightning features need from ZeroStrategy at setup: refusals made up front, activation checkpointing, and a
-model summary that counts sharded parameters.
+"""What Lightning features need from ZeroStrategy at setup: refusals made up front, and activation checkpointing.
+(Parameter counts and the model summary need nothing: a sharded stage-3 parameter keeps its full shape, see
+[Note: a sharded parameter keeps its shape].)
 
 [Note: what is refused under zero3, and why]
 Stage 3 keeps parameters empty between uses; a feature that reads or copies whole parameters outside a forward
@@ -17,13 +18,10 @@ Everything else Lightning users do under DDP works the same (see tests/distribut
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelPruning, ModelSummary, RichModelSummary, StochasticWeightAveraging
-from lightning.pytorch.utilities.model_summary import LayerSummary
-from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 from torch import nn
 
 from lightning_zero.config import ZeroConfig
@@ -109,77 +107,3 @@ def _class_matches(module: nn.Module, entry: Any) -> bool:
 
 def _policy_names(policy: tuple[Any, ...]) -> list[str]:
     return [p.__name__ if isinstance(p, type) else p for p in policy]
-
-
-# --------------------------------------------------------------------------------------------------- model summary
-
-
-def install_summary(trainer: pl.Trainer, numel: dict[nn.Parameter, int]) -> None:
-    """Under zero3, swap the Trainer's model-summary callback for one that counts each parameter at its full size
-    (it is empty between uses)."""
-    for index, callback in enumerate(trainer.callbacks):
-        if type(callback) in _ZERO_SUMMARIES:
-            replacement = _ZERO_SUMMARIES[type(callback)](callback._max_depth, **callback._summarize_kwargs)
-            replacement.numel = numel
-            trainer.callbacks[index] = replacement
-
-
-class _ZeroLayerSummary(LayerSummary):
-    def __init__(self, module: nn.Module, numel: dict[nn.Parameter, int]) -> None:
-        super().__init__(module)
-        self._numel = numel
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(self._numel.get(p, p.numel()) for p in self._module.parameters())
-
-
-class ZeroSummary(Summary):
-    """Lightning's model summary with sharded parameters counted at their full size."""
-
-    def __init__(self, model: pl.LightningModule, numel: dict[nn.Parameter, int], max_depth: int = 1):
-        self._numel = numel
-        super().__init__(model, max_depth)
-
-    def summarize(self) -> dict[str, LayerSummary]:
-        summary = OrderedDict((name, _ZeroLayerSummary(m, self._numel)) for name, m in self.named_modules)
-        for layer in summary.values():
-            layer.detach_hook()
-        if self._max_depth >= 1:
-            for key in [k for k in summary if k.count(".") >= self._max_depth]:
-                del summary[key]
-        return summary
-
-    @property
-    def total_parameters(self) -> int:
-        return sum(self._numel.get(p, p.numel()) for p in self._model.parameters())
-
-    @property
-    def trainable_parameters(self) -> int:
-        return sum(self._numel.get(p, p.numel()) for p in self._model.parameters() if p.requires_grad)
-
-    @property
-    def total_layer_params(self) -> int:
-        return sum(self.param_nums)
-
-    @property
-    def model_size(self) -> float:
-        return sum(self._numel.get(p, p.numel()) * p.element_size() for p in self._model.parameters()) / 1e6
-
-
-class _SummaryMixin:
-    numel: dict[nn.Parameter, int] = {}
-
-    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Summary:
-        return ZeroSummary(pl_module, self.numel, max_depth=self._max_depth)
-
-
-class ZeroModelSummary(_SummaryMixin, ModelSummary):
-    """``ModelSummary`` for zero3 (installed by the strategy in place of Lightning's)."""
-
-
-class ZeroRichModelSummary(_SummaryMixin, RichModelSummary):
-    """``RichModelSummary`` for zero3 (installed by the strategy in place of Lightning's)."""
-
-
-_ZERO_SUMMARIES = {ModelSummary: ZeroModelSummary, RichModelSummary: ZeroRichModelSummary}

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.sharding.sharded_param import is_sharded
+
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -67,7 +69,8 @@ def model_state_bytes(
     host, counted apart.
     """
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
-    params = list(module.parameters()) + list(extra_params)
+    # a stage-3 parameter between its uses holds a one-element placeholder, not model state
+    params = [p for p in module.parameters() if not is_sharded(p)] + list(extra_params)
     grads = [p.grad for p in module.parameters() if p.grad is not None] + list(extra_grads)
     states = list(extra_optimizer) + [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     seen: set[tuple[torch.device, int]] = set()

@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, check_launch_settings, option_defaults
 from lightning_zero.host_math import settle_mkl_dispatch
-from lightning_zero.lightning_compat import apply_activation_checkpointing, install_summary, refuse_unsupported
+from lightning_zero.lightning_compat import apply_activation_checkpointing, refuse_unsupported
 from lightning_zero.memory import ModelStateBytes, give_back_freed_memory, model_state_bytes
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, zero_precision_for
@@ -198,9 +198,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         self.setup_precision_plugin()
         if fitting and self._runtime.offload is None:  # offloaded optimizer states stay on the host
             _optimizers_to_device(self.optimizers, self.root_device)
-        if self.config.stage == 3:
-            install_summary(trainer, {s.param: s.spec.numel for s in self._runtime.shards})
-        elif not self._runtime.single_rank:
+        if self.config.stage != 3 and not self._runtime.single_rank:
             install_gate(trainer, self._runtime)  # user hooks wait for the gathers overlapping the next forward
         self._failed = False
 

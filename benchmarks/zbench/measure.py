@@ -253,6 +253,16 @@ def label_storages(roots: dict[str, object], max_depth: int = 4) -> dict:
     return labels
 
 
+def _placeholder(p: torch.Tensor) -> bool:
+    """A lightning_zero stage-3 parameter between its uses: its one-element placeholder is not model state (its rows
+    are counted through ``extra_params``)."""
+    try:
+        from lightning_zero.sharding.sharded_param import is_sharded
+    except ImportError:  # measuring a peer without lightning_zero installed
+        return False
+    return is_sharded(p)
+
+
 def held_tensor_bytes(
     params: Iterable[torch.Tensor],
     optimizers: Iterable[torch.optim.Optimizer],
@@ -282,7 +292,8 @@ def held_tensor_bytes(
     params = list(params)
     optimizers = list(optimizers)
     for p in params:
-        add(p, "params")
+        if not _placeholder(p):
+            add(p, "params")
     for p in extra_params:
         add(p, "params")
     for p in params:
@@ -294,7 +305,8 @@ def held_tensor_bytes(
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                add(p, "optim")  # a master copy the optimizer holds beside the model's parameters
+                if not _placeholder(p):
+                    add(p, "optim")  # a master copy the optimizer holds beside the model's parameters
                 add(p.grad, "grads")
         for state in opt.state.values():
             if isinstance(state, dict):

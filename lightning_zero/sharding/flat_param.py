@@ -50,6 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.sharding.sharded_param import placeholder, sharded_class
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -126,10 +128,9 @@ class ParamShard:
     ``param``'s rows (a step updates the full parameter in place); with stage 3 or 16-bit working parameters a
     standalone tensor (the fp32 master in mixed precision). ``dtype`` is the full parameter's (working) dtype.
 
-    Stage 3 keeps the parameter sharded between uses (``to_sharded``): its ``.data`` is then ``local`` itself, as
-    FSDP2's sharded parameters are the local shard (in the master's dtype under mixed precision), so code that looks
-    at parameters outside a forward sees this rank's rows, element-wise edits of them are kept, and no memory is
-    held twice; for a forward or backward it points at gathered storage (``to_unsharded``).
+    Stage 3 keeps the parameter sharded between uses (``to_sharded``): it keeps its full shape, dtype and device but
+    holds no values, and reading them raises (see [Note: a sharded parameter keeps its shape] in sharded_param.py);
+    for a forward or backward its ``.data`` is a view of gathered storage (``to_unsharded``).
     """
 
     name: str
@@ -147,6 +148,10 @@ class ParamShard:
     #: ``param._version`` when the runtime last wrote the parameter (see ``adopt_edits``).
     written_version: int = -1
 
+    def __post_init__(self) -> None:
+        #: The parameter's own class, which it has whenever it holds values.
+        self.param_class: type = type(self.param)
+
     @property
     def trainable(self) -> bool:
         return self.param.requires_grad
@@ -157,13 +162,20 @@ class ParamShard:
         return self.local if self.working is None else self.working
 
     def to_sharded(self) -> None:
-        """Drop the full parameter: its ``.data`` becomes the shard the gathers read."""
-        self.param.data = self.gather_source
+        """Drop the full parameter: it keeps its shape and no values (see [Note: a sharded parameter keeps its
+        shape])."""
+        self.param.data = placeholder(self.spec.shape, self.dtype, self.device)
+        self.param.__class__ = sharded_class(self.param_class)
         self.sharded = True
 
     def to_unsharded(self, storage: Tensor) -> None:
         """Make the full parameter a view of ``storage`` (at least ``spec.numel`` elements of ``dtype``)."""
-        self.param.data = storage[: self.spec.numel].view(self.spec.shape)
+        self.hold(storage[: self.spec.numel].view(self.spec.shape))
+
+    def hold(self, values: Tensor) -> None:
+        """Give the parameter ``values`` (of its full shape): it is whole again, of its own class."""
+        self.param.__class__ = self.param_class
+        self.param.data = values
         self.sharded = False
 
     def mark_written(self) -> None:

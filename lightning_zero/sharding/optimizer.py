@@ -5,8 +5,8 @@
 those parameters: code that looks parameters up there (Lightning's ``toggle_optimizer``, ``BaseFinetuning``'s
 ``add_param_group``, LR schedulers, the user's own) finds what it expects, and the object pickles as it did. Only for
 the duration of an update (and of a state-dict load) does each parameter's ``.data`` become its local shard (the fp32
-master under mixed precision) and its ``.grad`` the reduced gradient shard, in the master's dtype; then both are put
-back. So the optimizer's per-parameter state is shard-sized, keyed by the module's parameters, and any ``torch.optim``
+master under mixed precision), its ``.grad`` the reduced gradient shard, in the master's dtype, and a sharded stage-3
+parameter its own class again (see [Note: a sharded parameter keeps its shape]); then all three are put back. So the optimizer's per-parameter state is shard-sized, keyed by the module's parameters, and any ``torch.optim``
 class that updates element-wise works (Adam, AdamW, SGD with momentum, Adagrad, ...). Optimizers whose update depends
 on a parameter's full shape or on all parameters at once (LBFGS, Adafactor's factored moments, Muon, SparseAdam) are
 refused when the strategy shards them, with the reason.
@@ -124,15 +124,17 @@ class ShardedOptimizer:
         saved = []
         for shard in self.shards if only is None else only:
             param = shard.param
-            saved.append((shard, param.data, param.grad))
+            saved.append((shard, param.data, param.grad, type(param)))
+            param.__class__ = shard.param_class  # a sharded stage-3 parameter: its shard's values are read here
             param.data = shard.local
             if grads is not None:
                 param.grad = grads.get(shard)
         try:
             yield
         finally:
-            for shard, data, grad in saved:
+            for shard, data, grad, cls in saved:
                 shard.param.data = data
+                shard.param.__class__ = cls
                 shard.set_grad_shard(grad)
                 shard.mark_written()  # the update bumped the version counter; the full values follow the shards
 

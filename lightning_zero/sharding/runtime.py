@@ -99,9 +99,24 @@ class ZeroRuntime:
         self.shards, self.cast = make_shards(module, config.stage, comms, working_dtype, materialized or {},
                                              self.single_rank)
         self.shard_of = {s.param: s for s in self.shards}
+        self.offload: Offload | None = None
+        try:
+            self._compose(offload)
+        except BaseException:
+            _empty_sharded(self.shards)  # the error is the one to see, not a sharded parameter Lightning then moves
+            raise
+        self.scaling = StepScaling(comms, config.nonfinite_grads)
+        self.optimizers: dict[int, ShardedOptimizer] = {}
+        #: Whether ``release`` gave the module its full parameters back (end of fit).
+        self.released = False
+
+    def _compose(self, offload: Callable[[list[ParamShard]], Offload] | None) -> None:
+        """The offload, the module hooks and the two roles of this stage (see the module docstring)."""
+        module, config, comms = self.module, self.config, self.comms
         #: Where the masters and optimizer states live when offloaded (``lightning_zero.offload``), made from the shards.
-        self.offload: Offload | None = offload(self.shards) if offload is not None else None
-        self._module_hooks = load_state_dict_hooks(module, self.shards, before_load=self.wait)
+        self.offload = offload(self.shards) if offload is not None else None
+        self._module_hooks = load_state_dict_hooks(module, self.shards, self.wait, self._write_master,
+                                                   self._after_state_dict_load)
         self._evaluation_hold = ExitStack()
         self.parameters: ParameterRole
         self.gradients: GradientRole
@@ -120,10 +135,6 @@ class ZeroRuntime:
             self.parameters = ReplicatedParams(module, self.shards, comms, config.comm, pool)
             self.gradients = GradReducer(self.shards, comms, config.comm, config.stage == 1, pool,
                                          self._grad_storage())
-        self.scaling = StepScaling(comms, config.nonfinite_grads)
-        self.optimizers: dict[int, ShardedOptimizer] = {}
-        #: Whether ``release`` gave the module its full parameters back (end of fit).
-        self.released = False
 
     @property
     def last_grad_norm(self) -> Tensor | None:
@@ -340,14 +351,23 @@ class ZeroRuntime:
                 raise RuntimeError(
                     f"{shard.name}: the state_dict has shape {tuple(value.shape)}, the model {tuple(shard.spec.shape)}"
                 )
-            if self.offload is not None:
-                self.offload.write_master(shard, shard.spec.local_view(value))
-            else:
-                shard.local.copy_(shard.spec.local_view(value))
+            self._write_master(shard, shard.spec.local_view(value))
         for name, buffer in buffers.items():
             if name in state_dict and torch.is_tensor(buffer):
                 buffer.copy_(state_dict[name])
         self.refresh_full_parameters()
+
+    def _write_master(self, shard: ParamShard, rows: Tensor) -> None:
+        """Load a checkpoint's ``rows`` into ``shard``'s master, where it lives."""
+        if self.offload is not None:
+            self.offload.write_master(shard, rows)
+        else:
+            shard.local.copy_(rows)
+
+    def _after_state_dict_load(self) -> None:
+        """``module.load_state_dict`` wrote the masters: an offload pushes them where the gathers read them."""
+        if self.offload is not None:
+            self.offload.refresh()
 
     @torch.no_grad()
     def release(self, device: torch.device, gather: bool = True) -> None:
@@ -369,6 +389,7 @@ class ZeroRuntime:
             hook.remove()
         optimizers = tuple(o.optimizer for o in self.optimizers.values())
         if not gather:
+            _empty_sharded(self.shards)  # Lightning's teardown may still move the module
             if self.offload is not None:
                 self.offload.close(optimizers)
             return
@@ -379,14 +400,20 @@ class ZeroRuntime:
             for bucket in make_buckets([s for s in replaced if s.local.dtype == dtype], self.config.comm.bucket_bytes, dtype):
                 params = [s.param for s in bucket.shards]
                 for shard in bucket.shards:
-                    shard.param.data = torch.empty(shard.spec.shape, dtype=dtype, device=shard.device)
-                    shard.sharded = False
+                    shard.hold(torch.empty(shard.spec.shape, dtype=dtype, device=shard.device))
                 gather_bucket(self.comms, transient, bucket, [s.local for s in bucket.shards]).complete(
                     partial(bucket.unpack, tensors=params))
                 for param in params:
                     param.data = keep(param.data, device)
         if self.offload is not None:
             self.offload.close(optimizers)
+
+
+def _empty_sharded(shards: list[ParamShard]) -> None:
+    """After an error: every sharded parameter empty, of its own class (no gather: a peer may never answer)."""
+    for shard in shards:
+        if shard.sharded:
+            shard.hold(torch.empty(0, dtype=shard.dtype, device=shard.device))
 
 
 def _check_fits(nbytes: int, device: torch.device, loop: str) -> None:

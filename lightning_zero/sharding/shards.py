@@ -127,28 +127,40 @@ def floating_buffers(module: nn.Module) -> list[Tensor]:
     return [b for b in module.buffers() if b.is_floating_point() and b.numel() > 0]
 
 
-def load_state_dict_hooks(module: nn.Module, shards: list[ParamShard], before_load: Callable[[], None]) -> list:
+def load_state_dict_hooks(
+    module: nn.Module, shards: list[ParamShard], before_load: Callable[[], None],
+    write_master: Callable[[ParamShard, Tensor], None], after_load: Callable[[], None],
+) -> list:
     """``module.load_state_dict`` after setup writes each rank's rows, at full precision, into its shards (the fp32
-    masters under mixed precision); parameters stage 3 keeps empty are skipped by torch's own copy. ``before_load``
-    runs first: it completes the parameter all-gathers still in flight, which read the shards (a parameter gathered
-    in place sends its own rows) and would otherwise write stale rows after the load."""
+    masters under mixed precision; ``write_master``, which an offload routes where its masters live). A sharded
+    stage-3 parameter holds no values (see [Note: a sharded parameter keeps its shape]): its entry is taken out of
+    torch's own copy and out of the keys torch then reports missing. ``before_load`` runs first: it completes the
+    parameter all-gathers still in flight, which read the shards (a parameter gathered in place sends its own rows)
+    and would otherwise write stale rows after the load; ``after_load`` runs last (an offload pushes the new
+    masters where the gathers read them)."""
+    taken: list[str] = []
 
     @torch.no_grad()
     def before(_module, state_dict, prefix, *_args) -> None:
         before_load()
+        taken.clear()
         for shard in shards:
             key = prefix + shard.name
             value = state_dict.get(key)
             if not torch.is_tensor(value) or value.shape != shard.spec.shape:
                 continue  # missing or mis-shaped: torch's own load reports it
-            rows = shard.spec.local_view(value.to(shard.device))
-            shard.local.copy_(rows)
-            if shard.sharded:  # the parameter is its local shard: torch's own copy writes the same rows
-                state_dict[key] = rows
+            write_master(shard, shard.spec.local_view(value.to(shard.device)))
+            if shard.sharded:
+                del state_dict[key]
+                taken.append(key)
 
-    def after(_module, _incompatible) -> None:
+    def after(_module, incompatible) -> None:
+        for key in taken:
+            if key in incompatible.missing_keys:
+                incompatible.missing_keys.remove(key)
         for shard in shards:
             shard.mark_written()
+        after_load()
 
     register_pre = getattr(module, "register_load_state_dict_pre_hook", None)
     pre = register_pre(before) if register_pre else module._register_load_state_dict_pre_hook(before, with_module=True)
