@@ -244,7 +244,7 @@ def main() -> None:
     if args.all_candidates or given:  # the stages need not wait for the DDP run: each runs what it would select from
         found = given or json.loads((out / "candidates.json").read_text())
         chosen = {"tests": found, "standalone": standalone_runnable(src, found, out)}
-        chosen["tests"] += chosen["standalone"]
+        chosen["tests"] += [t for t in chosen["standalone"] if t not in found]
     else:
         chosen = json.loads((out / "selected.json").read_text())
     selected = [t for t in chosen["tests"] if args.only is None or args.only in t]
