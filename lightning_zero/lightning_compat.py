@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.accelerators import XLAAccelerator
 from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 from torch import nn
 
@@ -41,6 +42,17 @@ if WeightAveraging is not None:
 
 class ZeroUnsupportedError(ValueError):
     """A Lightning feature cannot work under this ZeRO stage; the message names it and the alternative."""
+
+
+def refuse_accelerator(accelerator: Any) -> None:
+    """Lightning refuses the ``XLAAccelerator`` with any strategy but its XLA ones, after it assigned the strategy
+    the XLA precision plugin; ZeroStrategy makes the same check when it gets the accelerator, so that the error names
+    the accelerator rather than the ``XLAPrecision`` that follows from it."""
+    if isinstance(accelerator, XLAAccelerator):
+        raise ValueError(
+            "The `XLAAccelerator` can only be used with a `SingleDeviceXLAStrategy` or `XLAStrategy`, found "
+            "ZeroStrategy, which runs on 'cpu' and 'cuda' accelerators"
+        )
 
 
 def refuse_unsupported(trainer: pl.Trainer, model: nn.Module, config: ZeroConfig) -> None:

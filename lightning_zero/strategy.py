@@ -33,10 +33,10 @@ from typing_extensions import override
 from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, check_launch_settings, option_defaults
 from lightning_zero.host_math import settle_mkl_dispatch
-from lightning_zero.lightning_compat import apply_activation_checkpointing, refuse_unsupported
+from lightning_zero.lightning_compat import apply_activation_checkpointing, refuse_accelerator, refuse_unsupported
 from lightning_zero.memory import ModelStateBytes, give_back_freed_memory, model_state_bytes
 from lightning_zero.offload import make_offload
-from lightning_zero.precision import ZeroPrecision, zero_precision_for
+from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
 from lightning_zero.sharding.collectives import Collectives, CommStats
 from lightning_zero.sharding.materialize import generator_state, has_meta_tensors, materialize_shards, rng_state
@@ -89,6 +89,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
             raise TypeError(f"ZeroStrategy takes a ZeroConfig or options, not both (got {sorted(options)})")
         self.config = config if config is not None else ZeroConfig.from_options(**options)
         check_launch_settings(start_method, process_group_backend, timeout)
+        refuse_accelerator(accelerator)
         ignored = self.config.ignored_options()
         if ignored:
             rank_zero_warn(f"{', '.join(ignored)} only apply to stage 3 and are ignored with stage={self.config.stage}")
@@ -123,8 +124,19 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning assigns its generic plugin for the user's flag; translate it now so a bad flag fails early.
-        self._precision_plugin = None if plugin is None else zero_precision_for(plugin)
+        # Lightning assigns the plugin for the user's flag, or the user's own: made ours now, so a bad one fails early.
+        self._precision_plugin = None if plugin is None else as_zero_precision(plugin)
+
+    @property
+    @override
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
+        refuse_accelerator(accelerator)  # before Lightning hands over the XLA accelerator's precision plugin
+        self._accelerator = accelerator
 
     @property
     def runtime(self) -> ZeroRuntime:

@@ -30,6 +30,7 @@ from lightning_zero.checkpoint.sharded import (
     save_sharded,
     verify_rows,
 )
+from lightning_zero.precision import ZeroMixedPrecision
 
 
 class ShardedCheckpointHooks:
@@ -74,8 +75,9 @@ class ShardedCheckpointHooks:
         }
         optimizer_shapes = [[s.spec.shape for s in o.shards] for o in optimizers]
         plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision) and type(plugin).__qualname__ in checkpoint:
-            # the loss scaler's state where DDP's MixedPrecision plugin looks for it (ours reads it there too)
+        if type(plugin) is ZeroMixedPrecision and type(plugin).__qualname__ in checkpoint:
+            # the loss scaler's state where DDP's MixedPrecision plugin looks for it (ours reads it there too); a
+            # user's plugin class keeps its own name, as under DDP
             checkpoint[MixedPrecision.__qualname__] = checkpoint.pop(type(plugin).__qualname__)
         save_sharded(filepath, checkpoint, facts, self._parameter_shapes(), optimizer_shapes, runtime.comms)
         runtime.release_offloaded_pages()

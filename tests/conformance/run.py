@@ -224,22 +224,27 @@ def main() -> None:
     parser.add_argument("--all-candidates", action="store_true",
                         help="run the stages over every candidate, not only the tests the DDP run selected")
     parser.add_argument("-k", dest="only", default=None, help="only the selected tests whose id contains this")
+    parser.add_argument("--ids", type=Path, default=None,
+                        help="a file of test ids, one a line: every stage runs these instead of the candidates or the "
+                             "selection (a re-run of an earlier selection and its failures; ddp selects among them)")
     args = parser.parse_args()
     src, out = args.lightning_src.resolve(), args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    given = [line.strip() for line in args.ids.read_text().splitlines() if line.strip()] if args.ids else None
     if "ddp" in args.stages:
-        found = candidates(src)
-        (out / "candidates.json").write_text(json.dumps(found, indent=1))
+        found = given or candidates(src)
+        if not given:
+            (out / "candidates.json").write_text(json.dumps(found, indent=1))
         standalone = standalone_runnable(src, found, out)
         print(f"{len(found)} candidate test functions, {len(standalone)} standalone tests runnable here", flush=True)
         log = run_stage(src, "ddp", found, standalone, out, args.timeout)
         selected = select(read_log(log))
         (out / "selected.json").write_text(json.dumps({"tests": selected, "standalone": standalone}, indent=1))
         print(f"selected: {len(selected)} tests pass under DDP on the CPU with 2 processes", flush=True)
-    if args.all_candidates:  # the stages need not wait for the DDP run: each runs what it would select from
-        found = json.loads((out / "candidates.json").read_text())
+    if args.all_candidates or given:  # the stages need not wait for the DDP run: each runs what it would select from
+        found = given or json.loads((out / "candidates.json").read_text())
         chosen = {"tests": found, "standalone": standalone_runnable(src, found, out)}
-        chosen["tests"] += chosen["standalone"]
+        chosen["tests"] += [t for t in chosen["standalone"] if t not in found]
     else:
         chosen = json.loads((out / "selected.json").read_text())
     selected = [t for t in chosen["tests"] if args.only is None or args.only in t]

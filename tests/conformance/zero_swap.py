@@ -19,6 +19,16 @@ precision plugin where the instance carried them. Only the exact class is swappe
 DDP's communication options that ZeRO has no use for (``ddp_comm_hook``, ``static_graph``, ``model_averaging_period``,
 ...) are dropped and recorded.
 
+[Note: the swapped strategy is the test's own object]
+A test that built ``strategy = DDPStrategy(...)`` and passed it to the Trainer may go on using ``strategy``
+(``strategy._launcher``, ``strategy.model``) rather than ``trainer.strategy``. That reference is not the
+``ZeroStrategy`` the connector now holds, but the DDPStrategy the Trainer never configured (no launcher, no model),
+and the test would fail on the harness, not on ZeRO (``test_multiprocessing.py::test_transfer_weights`` did). So
+the DDPStrategy object is made to stand for the ``ZeroStrategy``: its class becomes a ``DDPStrategy`` subclass whose
+every attribute read, write and deletion goes to the ``ZeroStrategy`` (``__class__`` included, so that
+``isinstance(strategy, ZeroStrategy)`` holds). The object cannot simply become a ``ZeroStrategy``: the two classes'
+bases lay an instance out differently, and ``__class__`` assignment refuses.
+
 Records (one JSON object a line, ``test`` the pytest node id, ``pid``, ``root`` true in the pytest process run.py
 started and false in a rank it launched):
 
@@ -115,6 +125,24 @@ def zero_strategy_like(ddp: Any, stage: int) -> tuple[Any, list[str]]:
     return zero, dropped
 
 
+def stand_for(ddp: Any, zero: Any) -> None:
+    """Make the ``DDPStrategy`` object ``ddp`` stand for the ``ZeroStrategy`` ``zero`` (see [Note: the swapped
+    strategy is the test's own object])."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class SwappedDDPStrategy(DDPStrategy):
+        def __getattribute__(self, name: str) -> Any:
+            return getattr(zero, name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            setattr(zero, name, value)
+
+        def __delattr__(self, name: str) -> None:
+            delattr(zero, name)
+
+    ddp.__class__ = SwappedDDPStrategy
+
+
 def _describe(strategy: Any) -> str:
     name = type(strategy).__name__
     if name == "ZeroStrategy":
@@ -139,8 +167,10 @@ def _install_swap(stage: int | None) -> None:
             return
         if stage is None:
             return
+        before = _describe(strategy)
         connector.strategy, dropped = zero_strategy_like(strategy, stage)
-        record("swap", **{"from": _describe(strategy), "to": _describe(connector.strategy), "dropped": dropped})
+        stand_for(strategy, connector.strategy)
+        record("swap", **{"from": before, "to": _describe(connector.strategy), "dropped": dropped})
 
     call_and_handle_interrupt = call._call_and_handle_interrupt
 
