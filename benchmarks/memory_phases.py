@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     results = dict(command=" ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT)
                                      else "python", os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
                    model_name="tiny" if args.quick else args.model, spec=spec, world=2,
-                   started=time.strftime("%Y-%m-%d %H:%M"), commit=_git_commit(), jobs={})
+                   started=time.strftime("%Y-%m-%d %H:%M"), commit=git_commit(), jobs={})
     results["estimate"] = memory_report.predictions(spec, world=2, python=args.python)
     for name in names:
         job = run_job(name, spec, args)
@@ -125,7 +125,7 @@ def run_job(name: str, spec: dict, args) -> dict:
     command = [args.python, os.path.abspath(__file__), "--python", args.python, "--job", json.dumps(job)]
     limited = _memlimit_usable(args.memlimit)
     if limited:
-        command = [args.memlimit, str(args.limit_gib or _total_gib()), *command]
+        command = [args.memlimit, str(args.limit_gib or total_gib()), *command]
     started = time.time()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
@@ -191,7 +191,7 @@ def _memlimit_usable(path: str) -> bool:
     return bool(path) and os.access(path, os.X_OK) and os.geteuid() == 0
 
 
-def _total_gib() -> float:
+def total_gib() -> float:
     with open("/proc/meminfo") as f:
         return int(f.readline().split()[1]) / 2**20
 
@@ -200,7 +200,7 @@ def _gib(n) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f}"
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip() or None

@@ -237,7 +237,7 @@ def _lightning_info(trainer) -> dict:
         return {}
     held = counter()
     return {"held": dict(params=held.params, grads=held.grads, optimizer=held.optimizer, host=held.host,
-                         disk=held.disk)}
+                         disk=held.disk, buffers=held.buffers, buffers_host=held.buffers_host)}
 
 
 class _Listed(torch.utils.data.Dataset):

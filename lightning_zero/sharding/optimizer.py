@@ -167,6 +167,8 @@ class ShardedOptimizer:
                         f"optimizer state {key!r} of parameter {shard.name!r} has shape {tuple(value.shape)}, "
                         f"expected {tuple(shard.spec.shape)}"
                     )
+                elif torch.is_tensor(value):  # a scalar (``step``): a view of a mapped checkpoint file would keep
+                    value = value.clone()     # the whole mapping, and every page a rank read from it, resident
                 local_state[index][key] = value
         self.load_state_dict({"state": local_state, "param_groups": groups})
 
