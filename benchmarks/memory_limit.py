@@ -4,15 +4,16 @@
 without one.
 
 [Note: the runs of the memory-limit benchmark]
-Each run is one 2-rank job, started by Lightning from one process (``start_method="fork"``, the launcher of
-tests/integration/memlimit_job.py: the launching process waits while its two forked ranks train), in a cgroup of its
+Each run is one 2-rank job launched as a user's script is (``python script.py``: Lightning's default launcher for
+``strategy="ddp"`` and ZeroStrategy's ``start_method="popen"`` starts rank 1 by running the same command again;
+rank 0 is the launching process), in a cgroup of its
 own (tests/memlimit.py, what ``../shared/tools/memlimit`` does) that counts every process of the job and its page
 cache, as a host with that much RAM would, and whose kernel kills the job when it cannot stay under the limit. A run
 without a limit runs under the machine's whole memory, so that its whole-job peak is read the same way. The model is
 GPTConfig(vocab_size=1024, n_layer=24, n_head=16, d_model=1024, seq_len=64), 302.8M parameters: in-memory ZeRO-3's
 16Ψ/N of model states is 2.26 GiB a rank, 4.51 GiB for the job. It is built in ``configure_model`` (stage 3
-materializes it unit by unit, straight into shards) or eagerly in ``__init__`` (the launching process holds the full
-model, 1.13 GiB, which its forked ranks share until they shard it). Every rank trains 4 sequences a step, 3 steps,
+materializes it unit by unit, straight into shards) or eagerly in ``__init__`` (each rank holds the full model,
+1.13 GiB, until the strategy shards it). Every rank trains 4 sequences a step, 3 steps,
 AdamW; disk offload streams sub-groups of 16 MiB through 2 resident buffers and keeps its files under ``--workdir``.
 
 Recorded per run: whether the kernel killed it (the cgroup's ``oom_kill`` count) and its exit status, the whole job's
@@ -189,9 +190,9 @@ def run_job(job: dict) -> int:
                            generator=torch.Generator().manual_seed(1))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH)
     if job["strategy"] == "ddp":
-        strategy = "ddp_fork"
+        strategy = "ddp"
     else:
-        options = dict(stage=3, start_method="fork", units=["Block"])
+        options = dict(stage=3, start_method="popen", units=["Block"])
         if job["strategy"] == "zero3_offload_disk":
             options.update(offload_optimizer="disk", offload_params="disk", offload_dir=job["offload_dir"],
                            offload_subgroup_mb=SUBGROUP_MB, offload_resident_subgroups=RESIDENT_SUBGROUPS)
@@ -225,8 +226,9 @@ def render(results: dict) -> str:
     m = results["model"]
     lines = [
         f"GPTConfig(vocab_size={m['vocab_size']}, n_layer={m['n_layer']}, n_head={m['n_head']}, "
-        f"d_model={m['d_model']}, seq_len={m['seq_len']}), fp32, AdamW, 2 CPU ranks forked by Lightning from one "
-        f"process, {results['batch']} sequences a rank and step, {results['steps']} steps; disk offload: sub-groups "
+        f"d_model={m['d_model']}, seq_len={m['seq_len']}), fp32, AdamW, 2 CPU ranks (each the script, started "
+        f"by Lightning's popen launcher), {results['batch']} sequences a rank and step, {results['steps']} steps; "
+        f"disk offload: sub-groups "
         f"of {results['subgroup_mb']} MiB, {results['resident_subgroups']} resident, files under bench_work/. Whole "
         f"job: every process of the job and its page cache (the cgroup's peak). Commit {results.get('commit')}, "
         f"{results['started']}. Command: `{results['command']}`.", "",
