@@ -270,8 +270,10 @@ def _compare_losses(losses, reference, is_reference: bool) -> str:
         return "no DDP run"
     if losses == reference:
         return "bitwise equal, every step and rank"
-    worst = max(abs(a - b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs))
-    return f"differ by up to {worst:.2e}"
+    pairs = [(a, b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs)]
+    equal = sum(a == b for a, b in pairs)
+    worst = max(abs(a - b) for a, b in pairs)
+    return f"{equal} of {len(pairs)} (step, rank) bitwise equal, the others within {worst:.2e}"
 
 
 def _gib(n) -> str:

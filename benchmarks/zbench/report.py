@@ -549,6 +549,8 @@ def render(results: dict, summary: dict, plot_rel: str | None) -> str:
                                            f"{r['codes']}: `{r.get('error', '')[:300]}`" for r in failed] + [""]
     if os.path.exists(MEMORY_RESULTS) and not results.get("quick"):
         lines += memory_section()
+    if os.path.exists(LIMIT_RESULTS) and not results.get("quick"):
+        lines += limit_section()
     if os.path.exists(FINDINGS) and not results.get("quick"):
         with open(FINDINGS) as f:
             lines += [f.read().rstrip(), ""]
@@ -571,6 +573,24 @@ def memory_section() -> list[str]:
             "run of `benchmarks/memory_phases.py` (its own run, separate from the timings above; re-run it after a "
             "change to the library's memory, then `compare.py --report-only benchmarks/results/full.json`).", "",
             text.rstrip(), ""]
+
+
+LIMIT_RESULTS = os.path.join(HERE, "results", "memory_limit.json")
+
+
+def limit_section() -> list[str]:
+    """The last ``benchmarks/memory_limit.py`` run (a model that does not fit, under one memory limit)."""
+    import json
+
+    from memory_limit import render
+
+    with open(LIMIT_RESULTS) as f:
+        text = render(json.load(f))
+    return ["## A model that does not fit, under one memory limit (`benchmarks/memory_limit.py`)", "",
+            "A 303M-parameter fp32 GPT whose in-memory ZeRO-3 model states (4.51 GiB for 2 ranks) exceed the limit "
+            "set on the whole job (every process and its page cache, in one cgroup, as a host with that much memory "
+            "would hold it): `zero3_offload_disk` against in-memory `zero3` and DDP. Its own run, separate from the "
+            "timings above.", "", text.rstrip(), ""]
 
 
 GPU_RESULTS = os.path.join(HERE, "results", "gpu.json")
