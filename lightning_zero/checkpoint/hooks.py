@@ -49,18 +49,29 @@ class ShardedCheckpointHooks:
             self._device_mesh = self.runtime.comms.device_mesh()
         return self._device_mesh
 
+    def _holds_shards(self) -> bool:
+        """Whether this process trains the shards. The process that started spawned ranks never does: after ``fit``
+        it holds the full weights rank 0 sent back, and saves them as DDP would (one file, from rank 0)."""
+        return self._runtime is not None
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state_dict with this rank's shards as DTensors of the full shapes: no communication (see
         ``sharded.py``)."""
+        if not self._holds_shards():
+            return super().lightning_module_state_dict()
         self.runtime.wait()
         return model_tensors(self.runtime.module, self.runtime.shards, self._mesh())
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state_dict with this rank's shards of its per-element state as DTensors."""
+        if not self._holds_shards():
+            return super().optimizer_state(optimizer)
         return optimizer_tensors(self.runtime.sharded(_unwrap(optimizer)), self._mesh())
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write the checkpoint file, every rank its own rows in parallel, atomically (see ``sharded.py``)."""
+        if not self._holds_shards():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("ZeroStrategy writes checkpoint files itself, from every rank; storage_options is not used")
         runtime = self.runtime

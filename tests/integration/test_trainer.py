@@ -69,3 +69,24 @@ def test_the_strategy_settles_mkl_before_setup_and_the_first_step() -> None:
     """host_math.py's warm-up runs in ``setup_environment``: before the callbacks' ``setup`` and the first step."""
     (events,) = run_on_ranks(_events_of_a_fit, 1)
     assert events == ["settle", "setup", "step", "step"]
+
+
+def _save_in_the_launching_process(strategy: str, path) -> dict[str, torch.Tensor]:
+    pl.seed_everything(7, verbose=False)
+    model = ParityModel("adamw")
+    trainer = make_trainer(strategy, 2, max_steps=6)
+    trainer.fit(model)
+    trainer.save_checkpoint(path)  # this process launched the ranks and never trained: it holds rank 0's weights
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_launching_process_saves_the_weights_like_ddp(stage: int, tmp_path) -> None:
+    """After a fork (or spawn) launch, ``trainer.save_checkpoint`` in the launching process writes one regular file
+    of the weights rank 0 sent back, as under DDP (Lightning's ``test_multi_cpu_model_ddp`` does this)."""
+    reference = _save_in_the_launching_process("ddp_fork", tmp_path / "ddp.ckpt")
+    got = _save_in_the_launching_process(f"zero{stage}_fork", tmp_path / "zero.ckpt")
+    assert got.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(got[key], reference[key], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(got["head.weight"], ParityModel("adamw").head.weight)  # trained, not the initial weights
