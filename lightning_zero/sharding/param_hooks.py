@@ -226,7 +226,7 @@ class ShardedParams:
     def _agree_on_used(self) -> dict[ParamShard, bool]:
         shards = [s for unit in self._reduce_order[self._next_reduce :] for b in self._buckets_to_reduce(unit) for s in b.shards]
         flags = torch.tensor([float(s.param.grad is not None) for s in shards], device=self.comms.device)
-        self.comms.all_reduce_(flags, "the find_unused_parameters flags")
+        self.comms.world.all_reduce_(flags, "the find_unused_parameters flags")  # any rank of any replica
         return dict(zip(shards, (flags > 0).tolist()))
 
     _KINDS = ("gather", "reduce")

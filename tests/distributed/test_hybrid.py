@@ -1,0 +1,215 @@
+"""Hybrid sharding (``shard_group_size``) on 4 CPU ranks as 2 nodes x 2, against flat sharding over the 4: the same
+losses, weights and clipped gradient norm every step for stages 1-3; checkpoints saved under one topology resume
+under the other, each row written once; the bytes that cross nodes per step, exactly as the model of each algorithm
+in sharding/topology.py ([Note: what crosses nodes]) says; topologies that do not fit the world refused at setup.
+One fork runs every case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_zero.checkpoint.sharded as sharded_module
+from lightning_zero import ZeroConfigError, ZeroStrategy
+from lightning_zero.sharding.flat_param import ShardSpec
+from tests.harness import run_on_ranks
+from tests.models import Recorder, StepSeededLM, TinyLM, make_trainer
+
+WORLD, K, NODE = 4, 2, 2
+STEPS = 6
+CLIP = 0.05  # below the gradient norm, so every step clips
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def strategy(stage: int, hybrid: bool) -> ZeroStrategy:
+    units = {"units": ("Block",)} if stage == 3 else {}
+    topology = {"shard_group_size": K} if hybrid else {"node_size": NODE}
+    return ZeroStrategy(stage, **topology, **units)
+
+
+class StepLog(pl.Callback):
+    """Per optimizer step: the bytes this rank moved and sent across nodes within the step, and the clipped norm.
+    Listed before ``Recorder``, whose gather of the parameters (stage 3) then falls outside the window."""
+
+    def __init__(self) -> None:
+        self.total: list[int] = []
+        self.cross: list[int] = []
+        self.norms: list[float] = []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        stats = trainer.strategy.comm_stats
+        self._start = (stats.total_bytes, stats.cross_group_bytes)
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        stats = trainer.strategy.comm_stats
+        self.total.append(stats.total_bytes - self._start[0])
+        self.cross.append(stats.cross_group_bytes - self._start[1])
+        self.norms.append(float(trainer.strategy.last_grad_norm))
+
+
+def _fit(stage: int, hybrid: bool) -> dict:
+    pl.seed_everything(1234, verbose=False)
+    model, log, recorder = TinyLM(), StepLog(), Recorder()
+    trainer = make_trainer(strategy(stage, hybrid), WORLD, max_steps=STEPS, callbacks=[log, recorder],
+                           gradient_clip_val=CLIP)
+    trainer.fit(model)
+    blocks = [p for block in model.lm["blocks"] for p in block.parameters()]
+    root = [p for p in model.parameters() if all(p is not b for b in blocks)]
+    return {"losses": recorder.losses, "params": recorder.params, "norms": log.norms, "cross": log.cross,
+            "total": log.total, "shapes": ([p.shape for p in blocks], [p.shape for p in root])}
+
+
+# --------------------------------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_fit(hybrid: bool, steps: int, ckpt_path=None) -> tuple[pl.Trainer, Recorder]:
+    pl.seed_everything(5, verbose=False)
+    recorder = Recorder()
+    trainer = make_trainer(strategy(3, hybrid), WORLD, max_steps=steps, callbacks=[recorder])
+    trainer.fit(StepSeededLM(), ckpt_path=ckpt_path)
+    return trainer, recorder
+
+
+def _counting_writes(written: list[int]):
+    original = sharded_module.write_rows
+
+    def write_rows(fd, offset, tensor):
+        written.append(tensor.numel() * tensor.element_size())
+        return original(fd, offset, tensor)
+
+    return original, write_rows
+
+
+def _checkpoints(root: Path) -> dict:
+    out = {}
+    for saved_hybrid in (True, False):
+        path = root / f"hybrid{int(saved_hybrid)}.ckpt"
+        first, _ = _checkpoint_fit(saved_hybrid, 5)
+        written: list[int] = []
+        original, counting = _counting_writes(written)
+        sharded_module.write_rows = counting
+        try:
+            first.save_checkpoint(path)
+        finally:
+            sharded_module.write_rows = original
+        _, whole = _checkpoint_fit(not saved_hybrid, 10)
+        _, resumed = _checkpoint_fit(not saved_hybrid, 10, ckpt_path=path)
+        out[saved_hybrid] = {"written": sum(written), "whole": (whole.losses[5:], whole.params[5:]),
+                             "resumed": (resumed.losses, resumed.params), "path": path}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ config errors
+
+
+def _setup_error(**options) -> str:
+    trainer = make_trainer(ZeroStrategy(2, **options), WORLD, max_steps=1)
+    try:
+        trainer.fit(TinyLM())
+    except ZeroConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def _run_all(rank: int, world_size: int, root: Path) -> dict:
+    out = {"fits": {(stage, hybrid): _fit(stage, hybrid) for stage in (1, 2, 3) for hybrid in (False, True)}}
+    out["checkpoints"] = _checkpoints(root)
+    out["errors"] = [_setup_error(shard_group_size=3), _setup_error(node_size=3)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("hybrid")
+    return run_on_ranks(lambda r, w: _run_all(r, w, root), WORLD)
+
+
+# -------------------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_matches_flat_every_step(ranks, stage: int) -> None:
+    for rank, out in enumerate(ranks):
+        flat, hybrid = out["fits"][(stage, False)], out["fits"][(stage, True)]
+        assert len(hybrid["params"]) == len(flat["params"]) == STEPS
+        torch.testing.assert_close(torch.tensor(hybrid["losses"]), torch.tensor(flat["losses"]), **TOL)
+        for step, (got, want) in enumerate(zip(hybrid["params"], flat["params"])):
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} step {step}: {m}")
+        assert not torch.equal(hybrid["params"][0], hybrid["params"][-1])
+        # The norm counted once: a norm summed over both replicas would be sqrt(2) times this.
+        torch.testing.assert_close(torch.tensor(hybrid["norms"]), torch.tensor(flat["norms"]), **TOL)
+        assert min(flat["norms"]) > CLIP
+
+
+def _segment(shapes, n: int) -> int:
+    """Elements of one rank's segment of a buffer of these parameters sharded ``n`` ways (rows padded)."""
+    return sum(ShardSpec(torch.Size(shape), 0, n).padded_numel for shape in shapes)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cross_node_bytes_per_step_match_the_algorithm_model(ranks, stage: int) -> None:
+    """2 nodes x 2 ranks, fp32 (b = 4), gloo. Flat: every reduce-scatter and all-gather sends a segment to each of
+    the 3 peers, 2 of them on the other node; the norm's all-reduce (5 floats, a ring 0-1-2-3) crosses from ranks 1
+    and 3. Hybrid: only the replica all-reduce of the gradient shard crosses (a ring of 2: the whole segment)."""
+    b = 4
+    blocks, root = ranks[0]["fits"][(stage, False)]["shapes"]
+    everything = [*blocks, *root]
+    if stage == 3:  # blocks gathered in forward and backward and reduced; the root unit gathered once and reduced
+        flat = 2 * b * (3 * _segment(blocks, 4) + 2 * _segment(root, 4))
+    else:  # every gradient reduce-scattered, every parameter all-gathered once
+        flat = 2 * b * 2 * _segment(everything, 4)
+    hybrid = b * _segment(everything, K)
+    norm_ring = int(2 * (3 / 4) * (1 + WORLD) * 4)
+    for rank, out in enumerate(ranks):
+        flat_cross = out["fits"][(stage, False)]["cross"][1:]  # steady steps
+        hybrid_cross = out["fits"][(stage, True)]["cross"][1:]
+        assert flat_cross == [flat + (norm_ring if rank % 2 else 0)] * (STEPS - 1), rank
+        assert hybrid_cross == [hybrid] * (STEPS - 1), rank
+        # About Psi*b (stages 1-2: 2 * Psi * 3/4 of it to 2 of 3 peers) or 1.5 Psi*b (stage 3), against Psi*b/2.
+        assert flat_cross[0] / hybrid_cross[0] == pytest.approx(3.0 if stage == 3 else 2.0, rel=0.05)
+
+
+def test_checkpoint_saved_under_one_topology_resumes_under_the_other(ranks) -> None:
+    for rank, out in enumerate(ranks):
+        for saved_hybrid, case in out["checkpoints"].items():
+            losses, params = case["whole"]
+            resumed_losses, resumed_params = case["resumed"]
+            assert len(resumed_params) == len(params) == 5
+            torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses), **TOL)
+            for got, want in zip(resumed_params, params):
+                torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} hybrid={saved_hybrid}: {m}")
+
+
+def test_each_row_is_written_once(ranks) -> None:
+    """Under hybrid sharding the 2 ranks of replica 0 write every row of the file between them, the other replica
+    nothing; flat, the 4 ranks do. The bytes of rows written add up to the sharded tensors' bytes exactly."""
+    for saved_hybrid in (True, False):
+        path = ranks[0]["checkpoints"][saved_hybrid]["path"]
+        checkpoint = torch.load(path, mmap=True, weights_only=True)
+        info = checkpoint["lightning_zero"]
+        tensors = [sharded_module.tensor_at(checkpoint, location) for location in info["tensors"]]
+        rows = sum(t.numel() * t.element_size() for t in tensors)
+        table = info["crc32"].numel() * info["crc32"].element_size()
+        written = [out["checkpoints"][saved_hybrid]["written"] for out in ranks]
+        assert sum(written) == rows + table
+        writers = K if saved_hybrid else WORLD
+        assert info["world_size"] == writers
+        assert all(w > 0 for w in written[:writers]) and all(w == 0 for w in written[writers:])
+
+
+def test_a_topology_that_does_not_divide_the_world_fails_at_setup(ranks) -> None:
+    for out in ranks:
+        group, node = out["errors"]
+        assert group == "shard_group_size=3 is invalid for a world of 4 ranks: it must divide the world size " \
+                        "(allowed: 1, 2, 4)"
+        assert node.startswith("node_size=3 is invalid for a world of 4 ranks")
+
+
+def test_hybrid_sharding_with_offload_is_refused_up_front() -> None:
+    with pytest.raises(ZeroConfigError, match=r"^shard_group_size=2 with offload_optimizer='cpu' is not supported"):
+        ZeroStrategy(2, shard_group_size=2, offload_optimizer="cpu")
+    with pytest.raises(ZeroConfigError, match=r"^shard_group_size=0 is invalid"):
+        ZeroStrategy(2, shard_group_size=0)
