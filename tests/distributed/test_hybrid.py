@@ -24,9 +24,15 @@ CLIP = 0.05  # below the gradient norm, so every step clips
 TOL = dict(rtol=1e-6, atol=1e-6)
 
 
-def strategy(stage: int, hybrid: bool) -> ZeroStrategy:
+#: Shard group sizes by name: flat over the 4 ranks (as 2 nodes), hybrid 2 x 2, and 4 x 1 (every state replicated).
+GROUPS = {"flat": None, "2x2": K, "4x1": 1}
+
+
+def strategy(stage: int, hybrid: bool | str) -> ZeroStrategy:
+    """Flat (``False``), hybrid 2 x 2 (``True``), or a topology of ``GROUPS`` by name."""
     units = {"units": ("Block",)} if stage == 3 else {}
-    topology = {"shard_group_size": K} if hybrid else {"node_size": NODE}
+    group = GROUPS[hybrid] if isinstance(hybrid, str) else (K if hybrid else None)
+    topology = {"shard_group_size": group} if group else {"node_size": NODE}
     return ZeroStrategy(stage, **topology, **units)
 
 
@@ -50,7 +56,7 @@ class StepLog(pl.Callback):
         self.norms.append(float(trainer.strategy.last_grad_norm))
 
 
-def _fit(stage: int, hybrid: bool) -> dict:
+def _fit(stage: int, hybrid: str) -> dict:
     pl.seed_everything(1234, verbose=False)
     model, log, recorder = TinyLM(), StepLog(), Recorder()
     trainer = make_trainer(strategy(stage, hybrid), WORLD, max_steps=STEPS, callbacks=[log, recorder],
@@ -115,7 +121,7 @@ def _setup_error(**options) -> str:
 
 
 def _run_all(rank: int, world_size: int, root: Path) -> dict:
-    out = {"fits": {(stage, hybrid): _fit(stage, hybrid) for stage in (1, 2, 3) for hybrid in (False, True)}}
+    out = {"fits": {(stage, name): _fit(stage, name) for stage in (1, 2, 3) for name in GROUPS}}
     out["checkpoints"] = _checkpoints(root)
     out["errors"] = [_setup_error(shard_group_size=3), _setup_error(node_size=3)]
     return out
@@ -130,10 +136,12 @@ def ranks(tmp_path_factory) -> list[dict]:
 # -------------------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.parametrize("group", ["2x2", "4x1"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_hybrid_matches_flat_every_step(ranks, stage: int) -> None:
+def test_hybrid_matches_flat_every_step(ranks, stage: int, group: str) -> None:
+    """2 x 2, and 4 x 1 (every state replicated on every rank, the gradients all-reduced as DDP does)."""
     for rank, out in enumerate(ranks):
-        flat, hybrid = out["fits"][(stage, False)], out["fits"][(stage, True)]
+        flat, hybrid = out["fits"][(stage, "flat")], out["fits"][(stage, group)]
         assert len(hybrid["params"]) == len(flat["params"]) == STEPS
         torch.testing.assert_close(torch.tensor(hybrid["losses"]), torch.tensor(flat["losses"]), **TOL)
         for step, (got, want) in enumerate(zip(hybrid["params"], flat["params"])):
@@ -155,7 +163,7 @@ def test_cross_node_bytes_per_step_match_the_algorithm_model(ranks, stage: int) 
     the 3 peers, 2 of them on the other node; the norm's all-reduce (5 floats, a ring 0-1-2-3) crosses from ranks 1
     and 3. Hybrid: only the replica all-reduce of the gradient shard crosses (a ring of 2: the whole segment)."""
     b = 4
-    blocks, root = ranks[0]["fits"][(stage, False)]["shapes"]
+    blocks, root = ranks[0]["fits"][(stage, "flat")]["shapes"]
     everything = [*blocks, *root]
     if stage == 3:  # blocks gathered in forward and backward and reduced; the root unit gathered once and reduced
         flat = 2 * b * (3 * _segment(blocks, 4) + 2 * _segment(root, 4))
@@ -164,8 +172,8 @@ def test_cross_node_bytes_per_step_match_the_algorithm_model(ranks, stage: int) 
     hybrid = b * _segment(everything, K)
     norm_ring = int(2 * (3 / 4) * (1 + WORLD) * 4)
     for rank, out in enumerate(ranks):
-        flat_cross = out["fits"][(stage, False)]["cross"][1:]  # steady steps
-        hybrid_cross = out["fits"][(stage, True)]["cross"][1:]
+        flat_cross = out["fits"][(stage, "flat")]["cross"][1:]  # steady steps
+        hybrid_cross = out["fits"][(stage, "2x2")]["cross"][1:]
         assert flat_cross == [flat + (norm_ring if rank % 2 else 0)] * (STEPS - 1), rank
         assert hybrid_cross == [hybrid] * (STEPS - 1), rank
         # About Psi*b (stages 1-2: 2 * Psi * 3/4 of it to 2 of 3 peers) or 1.5 Psi*b (stage 3), against Psi*b/2.
