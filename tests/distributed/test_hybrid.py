@@ -6,6 +6,7 @@ One fork runs every case."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,6 +16,7 @@ import torch
 import lightning_zero.checkpoint.sharded as sharded_module
 from lightning_zero import ZeroConfigError, ZeroStrategy
 from lightning_zero.sharding.flat_param import ShardSpec
+from tests.distributed.test_nonfinite import BAD_STEP, NonFiniteOnRank1
 from tests.harness import run_on_ranks
 from tests.models import Recorder, StepSeededLM, TinyLM, make_trainer
 
@@ -28,12 +30,12 @@ TOL = dict(rtol=1e-6, atol=1e-6)
 GROUPS = {"flat": None, "2x2": K, "4x1": 1}
 
 
-def strategy(stage: int, hybrid: bool | str) -> ZeroStrategy:
+def strategy(stage: int, hybrid: bool | str, **options) -> ZeroStrategy:
     """Flat (``False``), hybrid 2 x 2 (``True``), or a topology of ``GROUPS`` by name."""
     units = {"units": ("Block",)} if stage == 3 else {}
     group = GROUPS[hybrid] if isinstance(hybrid, str) else (K if hybrid else None)
     topology = {"shard_group_size": group} if group else {"node_size": NODE}
-    return ZeroStrategy(stage, **topology, **units)
+    return ZeroStrategy(stage, **topology, **units, **options)
 
 
 class StepLog(pl.Callback):
@@ -108,6 +110,22 @@ def _checkpoints(root: Path) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------- non-finite gradients
+
+
+def _nonfinite(stage: int, hybrid: bool) -> dict:
+    """Rank 1 (shard group 0) gets a NaN at step ``BAD_STEP``: with ``nonfinite_grads="skip"`` every rank of both
+    replicas skips that step, once."""
+    pl.seed_everything(7, verbose=False)
+    recorder = Recorder()
+    trainer = make_trainer(strategy(stage, hybrid, nonfinite_grads="skip"), WORLD, max_steps=4, callbacks=[recorder])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(NonFiniteOnRank1(float("nan")))
+    return {"params": recorder.params, "skipped": trainer.strategy.runtime.skipped_steps,
+            "replicas": trainer.strategy.check_replicas()}
+
+
 # ------------------------------------------------------------------------------------------------ config errors
 
 
@@ -123,6 +141,7 @@ def _setup_error(**options) -> str:
 def _run_all(rank: int, world_size: int, root: Path) -> dict:
     out = {"fits": {(stage, name): _fit(stage, name) for stage in (1, 2, 3) for name in GROUPS}}
     out["checkpoints"] = _checkpoints(root)
+    out["nonfinite"] = {(stage, hybrid): _nonfinite(stage, hybrid) for stage in (2, 3) for hybrid in (False, True)}
     out["errors"] = [_setup_error(shard_group_size=3), _setup_error(node_size=3)]
     return out
 
@@ -206,6 +225,17 @@ def test_each_row_is_written_once(ranks) -> None:
         writers = K if saved_hybrid else WORLD
         assert info["world_size"] == writers
         assert all(w > 0 for w in written[:writers]) and all(w == 0 for w in written[writers:])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_replica(ranks, stage: int) -> None:
+    for out in ranks:
+        flat, hybrid = out["nonfinite"][(stage, False)], out["nonfinite"][(stage, True)]
+        assert hybrid["skipped"] == flat["skipped"] == 1
+        assert hybrid["replicas"] > 0  # every rank holds the same parameters
+        assert torch.equal(hybrid["params"][BAD_STEP], hybrid["params"][BAD_STEP - 1])  # the bad step changed nothing
+        for got, want in zip(hybrid["params"], flat["params"]):
+            torch.testing.assert_close(got, want, **TOL)
 
 
 def test_a_topology_that_does_not_divide_the_world_fails_at_setup(ranks) -> None:
