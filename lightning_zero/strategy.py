@@ -226,9 +226,13 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
                              host_ranks=self.num_processes)
 
     def _collectives(self) -> Collectives:
-        """The runtime's collectives, made at the first setup (process groups are created once: every rank creates
-        them in the same order) and kept for the setups after it (evaluation after fit)."""
+        """The runtime's collectives over the world; under hybrid sharding over the shard group, made at the first
+        setup (its process groups are created once, every rank creating them in the same order) and kept for the
+        setups after it (evaluation after fit)."""
         topology = self.topology()
+        if not topology.hybrid:
+            return topology_collectives(self.root_device, topology, self.config.comm.shortcut_single_rank,
+                                        self._comm_stats)
         key = (self.root_device, topology)
         if self._comms is None or self._comms[0] != key:
             comms = topology_collectives(self.root_device, topology, self.config.comm.shortcut_single_rank,

@@ -18,7 +18,7 @@ from lightning_zero import ZeroConfigError, ZeroStrategy
 from lightning_zero.sharding.flat_param import ShardSpec
 from tests.distributed.test_nonfinite import BAD_STEP, NonFiniteOnRank1
 from tests.harness import run_on_ranks
-from tests.models import Recorder, StepSeededLM, TinyLM, make_trainer
+from tests.models import Recorder, StepSeededLM, TinyLM, flat_params, make_trainer
 
 WORLD, K, NODE = 4, 2, 2
 STEPS = 6
@@ -66,8 +66,10 @@ def _fit(stage: int, hybrid: str) -> dict:
     trainer.fit(model)
     blocks = [p for block in model.lm["blocks"] for p in block.parameters()]
     root = [p for p in model.parameters() if all(p is not b for b in blocks)]
+    after_fit = flat_params(model)
     return {"losses": recorder.losses, "params": recorder.params, "norms": log.norms, "cross": log.cross,
-            "total": log.total, "shapes": ([p.shape for p in blocks], [p.shape for p in root])}
+            "total": log.total, "shapes": ([p.shape for p in blocks], [p.shape for p in root]),
+            "after_fit": after_fit, "validate": trainer.validate(model, verbose=False)[0]["val_loss"]}
 
 
 # --------------------------------------------------------------------------------------------------- checkpoints
@@ -166,6 +168,9 @@ def test_hybrid_matches_flat_every_step(ranks, stage: int, group: str) -> None:
         for step, (got, want) in enumerate(zip(hybrid["params"], flat["params"])):
             torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} step {step}: {m}")
         assert not torch.equal(hybrid["params"][0], hybrid["params"][-1])
+        # After fit the module holds the full trained weights; a later validate (a second setup) agrees with flat's.
+        assert torch.equal(hybrid["after_fit"], hybrid["params"][-1])
+        assert hybrid["validate"] == pytest.approx(flat["validate"], rel=1e-6)
         # The norm counted once: a norm summed over both replicas would be sqrt(2) times this.
         torch.testing.assert_close(torch.tensor(hybrid["norms"]), torch.tensor(flat["norms"]), **TOL)
         assert min(flat["norms"]) > CLIP
