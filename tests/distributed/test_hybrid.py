@@ -56,6 +56,7 @@ class StepLog(pl.Callback):
         self.total.append(stats.total_bytes - self._start[0])
         self.cross.append(stats.cross_group_bytes - self._start[1])
         self.norms.append(float(trainer.strategy.last_grad_norm))
+        self.held = trainer.strategy.model_state_bytes()
 
 
 def _fit(stage: int, hybrid: str) -> dict:
@@ -69,7 +70,7 @@ def _fit(stage: int, hybrid: str) -> dict:
     after_fit = flat_params(model)
     return {"losses": recorder.losses, "params": recorder.params, "norms": log.norms, "cross": log.cross,
             "total": log.total, "shapes": ([p.shape for p in blocks], [p.shape for p in root]),
-            "after_fit": after_fit, "validate": trainer.validate(model, verbose=False)[0]["val_loss"]}
+            "after_fit": after_fit, "validate": trainer.validate(model, verbose=False)[0]["val_loss"], "held": log.held}
 
 
 # --------------------------------------------------------------------------------------------------- checkpoints
@@ -204,6 +205,21 @@ def test_cross_node_bytes_per_step_match_the_algorithm_model(ranks, stage: int) 
         assert flat_cross[0] / hybrid_cross[0] == pytest.approx(3.0 if stage == 3 else 2.0, rel=0.05)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_holds_what_flat_sharding_over_one_group_holds(ranks, stage: int) -> None:
+    """Each rank holds its rows of a 2-way split (fp32 AdamW: 4 bytes of parameter, 4 of gradient, 8 of moments per
+    element of what is sharded) where flat holds those of a 4-way split; everything else is the same."""
+    blocks, root = ranks[0]["fits"][(stage, "flat")]["shapes"]
+    for rank, out in enumerate(ranks):
+        flat, hybrid = out["fits"][(stage, "flat")]["held"], out["fits"][(stage, "2x2")]["held"]
+        more = sum(ShardSpec(torch.Size(s), rank % K, K).local_numel - ShardSpec(torch.Size(s), rank, WORLD).local_numel
+                   for s in [*blocks, *root])
+        assert more > 0
+        assert hybrid.params - flat.params == (4 * more if stage == 3 else 0)
+        assert hybrid.grads - flat.grads == (4 * more if stage >= 2 else 0)
+        assert hybrid.optimizer - flat.optimizer == 8 * more
+
+
 def test_checkpoint_saved_under_one_topology_resumes_under_the_other(ranks) -> None:
     for rank, out in enumerate(ranks):
         for saved_hybrid, case in out["checkpoints"].items():
@@ -256,3 +272,45 @@ def test_hybrid_sharding_with_offload_is_refused_up_front() -> None:
         ZeroStrategy(2, shard_group_size=2, offload_optimizer="cpu")
     with pytest.raises(ZeroConfigError, match=r"^shard_group_size=0 is invalid"):
         ZeroStrategy(2, shard_group_size=0)
+
+
+# ------------------------------------------------------------------------------------------------- six ranks
+
+
+def _six(rank: int, world_size: int) -> dict:
+    out = {}
+    for stage in (2, 3):
+        for group in (None, 2, 3):  # flat, 3 nodes x 2, 2 nodes x 3
+            units = {"units": ("Block",)} if stage == 3 else {}
+            topology = {"shard_group_size": group} if group else {}
+            pl.seed_everything(1234, verbose=False)
+            model, log, recorder = TinyLM(), StepLog(), Recorder()
+            trainer = make_trainer(ZeroStrategy(stage, **topology, **units), world_size, max_steps=4,
+                                   callbacks=[log, recorder], gradient_clip_val=CLIP)
+            trainer.fit(model)
+            out[(stage, group)] = {"losses": recorder.losses, "params": recorder.params, "norms": log.norms,
+                                   "cross": log.cross, "shapes": [p.shape for p in model.parameters()]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def six_ranks() -> list[dict]:
+    return run_on_ranks(_six, 6)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("group", [2, 3], ids=["3x2", "2x3"])
+def test_six_ranks_in_three_groups_of_two_and_two_groups_of_three(six_ranks, stage: int, group: int) -> None:
+    """Parity with flat sharding over the 6, and the cross-node bytes of the replica all-reduce, a ring over the
+    ``6 / group`` replicas, each on its own node: ``2 (R-1)/R`` of the gradient shard."""
+    replicas = 6 // group
+    shapes = six_ranks[0][(stage, None)]["shapes"]
+    expected = 2 * (replicas - 1) / replicas * 4 * _segment(shapes, group)
+    for rank, out in enumerate(six_ranks):
+        flat, hybrid = out[(stage, None)], out[(stage, group)]
+        torch.testing.assert_close(torch.tensor(hybrid["losses"]), torch.tensor(flat["losses"]), **TOL)
+        for got, want in zip(hybrid["params"], flat["params"]):
+            torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(torch.tensor(hybrid["norms"]), torch.tensor(flat["norms"]), **TOL)
+        for cross in hybrid["cross"][1:]:  # each call counts whole bytes: at 3 replicas a third is rounded per bucket
+            assert cross == pytest.approx(expected, abs=4), rank
