@@ -15,6 +15,7 @@ import torch
 
 import lightning_zero.checkpoint.sharded as sharded_module
 from lightning_zero import ZeroConfigError, ZeroStrategy
+from lightning_zero.checkpoint import consolidate
 from lightning_zero.sharding.flat_param import ShardSpec
 from tests.distributed.test_nonfinite import BAD_STEP, NonFiniteOnRank1
 from tests.harness import run_on_ranks
@@ -231,10 +232,12 @@ def test_checkpoint_saved_under_one_topology_resumes_under_the_other(ranks) -> N
                 torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} hybrid={saved_hybrid}: {m}")
 
 
-def test_each_row_is_written_once(ranks) -> None:
+def test_each_row_is_written_once(ranks, tmp_path: Path) -> None:
     """Under hybrid sharding the 2 ranks of replica 0 write every row of the file between them, the other replica
-    nothing; flat, the 4 ranks do. The bytes of rows written add up to the sharded tensors' bytes exactly."""
+    nothing; flat, the 4 ranks do. The bytes of rows written add up to the sharded tensors' bytes exactly, and every
+    range checks against the file's CRC-32 table (``consolidate`` checks them all)."""
     for saved_hybrid in (True, False):
+        assert consolidate(ranks[0]["checkpoints"][saved_hybrid]["path"], tmp_path / f"{saved_hybrid}.safetensors")
         path = ranks[0]["checkpoints"][saved_hybrid]["path"]
         checkpoint = torch.load(path, mmap=True, weights_only=True)
         info = checkpoint["lightning_zero"]
