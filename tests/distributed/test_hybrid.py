@@ -10,8 +10,10 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
 import pytest
 import torch
+from torch import nn
 
 import lightning_zero.checkpoint.sharded as sharded_module
 from lightning_zero import ZeroConfigError, ZeroStrategy
@@ -19,7 +21,7 @@ from lightning_zero.checkpoint import consolidate
 from lightning_zero.sharding.flat_param import ShardSpec
 from tests.distributed.test_nonfinite import BAD_STEP, NonFiniteOnRank1
 from tests.harness import run_on_ranks
-from tests.models import Recorder, StepSeededLM, TinyLM, flat_params, make_trainer
+from tests.models import ParityModel, Recorder, StepSeededLM, TinyLM, flat_params, make_trainer
 
 WORLD, K, NODE = 4, 2, 2
 STEPS = 6
@@ -33,7 +35,7 @@ GROUPS = {"flat": None, "2x2": K, "4x1": 1}
 
 def strategy(stage: int, hybrid: bool | str, **options) -> ZeroStrategy:
     """Flat (``False``), hybrid 2 x 2 (``True``), or a topology of ``GROUPS`` by name."""
-    units = {"units": ("Block",)} if stage == 3 else {}
+    units = {"units": ("Block",)} if stage == 3 else {}  # ParityModel's layer used on one rank sits in the root unit
     group = GROUPS[hybrid] if isinstance(hybrid, str) else (K if hybrid else None)
     topology = {"shard_group_size": group} if group else {"node_size": NODE}
     return ZeroStrategy(stage, **topology, **units, **options)
@@ -114,6 +116,37 @@ def _checkpoints(root: Path) -> dict:
     return out
 
 
+# --------------------------------------------------------------------- accumulation, a parameter used on one rank
+
+
+class UsedOnRank3(ParityModel):
+    """A layer only rank 3 (replica 1) uses, on even batches: with ``find_unused_parameters`` every rank of both
+    replicas must agree that it was used, or the replicas would step different parameters."""
+
+    def __init__(self) -> None:
+        super().__init__("adamw", with_unused=True)
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        logits = self(tokens, use_sometimes=self.global_rank == 3 and batch_idx % 2 == 0)
+        return nn.functional.cross_entropy(logits, targets)
+
+
+def _variant(name: str, stage: int, hybrid: bool | None) -> dict:
+    """``hybrid=None``: the same under DDP."""
+    pl.seed_everything(11, verbose=False)
+    recorder = Recorder()
+    if name == "accumulate":
+        model, options, settings = TinyLM(), {}, {"accumulate_grad_batches": 2}
+    else:
+        model, options, settings = UsedOnRank3(), {"find_unused_parameters": True}, {}
+    chosen = DDPStrategy(**options) if hybrid is None else strategy(stage, hybrid, **options)
+    trainer = make_trainer(chosen, WORLD, max_steps=4, callbacks=[recorder], **settings)
+    trainer.fit(model)
+    checked = trainer.strategy.check_replicas() if hybrid is not None else 1
+    return {"losses": recorder.losses, "params": recorder.params, "replicas": checked}
+
+
 # ------------------------------------------------------------------------------------------- non-finite gradients
 
 
@@ -145,6 +178,10 @@ def _setup_error(**options) -> str:
 def _run_all(rank: int, world_size: int, root: Path) -> dict:
     out = {"fits": {(stage, name): _fit(stage, name) for stage in (1, 2, 3) for name in GROUPS}}
     out["checkpoints"] = _checkpoints(root)
+    variants = [("accumulate", 1), ("accumulate", 2), ("unused", 2), ("unused", 3)]
+    out["variants"] = {(name, stage, hybrid): _variant(name, stage, hybrid)
+                       for name, stage in variants for hybrid in (False, True)}
+    out["variants"]["unused", "ddp"] = _variant("unused", 0, None)
     out["nonfinite"] = {(stage, hybrid): _nonfinite(stage, hybrid) for stage in (2, 3) for hybrid in (False, True)}
     out["errors"] = [_setup_error(shard_group_size=3), _setup_error(node_size=3)]
     return out
@@ -249,6 +286,22 @@ def test_each_row_is_written_once(ranks, tmp_path: Path) -> None:
         writers = K if saved_hybrid else WORLD
         assert info["world_size"] == writers
         assert all(w > 0 for w in written[:writers]) and all(w == 0 for w in written[writers:])
+
+
+@pytest.mark.parametrize(("name", "stage"), [("accumulate", 1), ("accumulate", 2), ("unused", 2), ("unused", 3)])
+def test_hybrid_matches_flat_with_accumulation_and_a_parameter_used_on_one_rank(ranks, name: str, stage: int) -> None:
+    """A parameter only rank 3 uses is stepped everywhere, as DDP steps it (flat stage 3 once kept only the rows of
+    the ranks that used it: replicas then diverged)."""
+    for rank, out in enumerate(ranks):
+        flat, hybrid = out["variants"][(name, stage, False)], out["variants"][(name, stage, True)]
+        assert hybrid["replicas"] > 0
+        torch.testing.assert_close(torch.tensor(hybrid["losses"]), torch.tensor(flat["losses"]), **TOL)
+        for step, (got, want) in enumerate(zip(hybrid["params"], flat["params"])):
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} step {step}: {m}")
+        if name == "unused":
+            ddp = out["variants"]["unused", "ddp"]
+            for step, (got, want) in enumerate(zip(flat["params"], ddp["params"])):
+                torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"rank {rank} step {step} vs DDP: {m}")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
