@@ -62,11 +62,11 @@ class StepLog(pl.Callback):
         self.held = trainer.strategy.model_state_bytes()
 
 
-def _fit(stage: int, hybrid: str) -> dict:
+def _fit(stage: int, hybrid: str, precision: str = "32-true") -> dict:
     pl.seed_everything(1234, verbose=False)
     model, log, recorder = TinyLM(), StepLog(), Recorder()
     trainer = make_trainer(strategy(stage, hybrid), WORLD, max_steps=STEPS, callbacks=[log, recorder],
-                           gradient_clip_val=CLIP)
+                           gradient_clip_val=CLIP, precision=precision)
     trainer.fit(model)
     blocks = [p for block in model.lm["blocks"] for p in block.parameters()]
     root = [p for p in model.parameters() if all(p is not b for b in blocks)]
@@ -113,6 +113,9 @@ def _checkpoints(root: Path) -> dict:
         _, resumed = _checkpoint_fit(not saved_hybrid, 10, ckpt_path=path)
         out[saved_hybrid] = {"written": sum(written), "whole": (whole.losses[5:], whole.params[5:]),
                              "resumed": (resumed.losses, resumed.params), "path": path}
+    _, whole = _checkpoint_fit(True, 10)
+    _, resumed = _checkpoint_fit(True, 10, ckpt_path=root / "hybrid1.ckpt")
+    out["same"] = {"whole": (whole.losses[5:], whole.params[5:]), "resumed": (resumed.losses, resumed.params)}
     return out
 
 
@@ -177,6 +180,7 @@ def _setup_error(**options) -> str:
 
 def _run_all(rank: int, world_size: int, root: Path) -> dict:
     out = {"fits": {(stage, name): _fit(stage, name) for stage in (1, 2, 3) for name in GROUPS}}
+    out["bf16"] = {name: _fit(3, name, "bf16-mixed")["cross"] for name in ("flat", "2x2")}
     out["checkpoints"] = _checkpoints(root)
     variants = [("accumulate", 1), ("accumulate", 2), ("unused", 2), ("unused", 3)]
     out["variants"] = {(name, stage, hybrid): _variant(name, stage, hybrid)
@@ -241,6 +245,10 @@ def test_cross_node_bytes_per_step_match_the_algorithm_model(ranks, stage: int) 
         assert hybrid_cross == [hybrid] * (STEPS - 1), rank
         # About Psi*b (stages 1-2: 2 * Psi * 3/4 of it to 2 of 3 peers) or 1.5 Psi*b (stage 3), against Psi*b/2.
         assert flat_cross[0] / hybrid_cross[0] == pytest.approx(3.0 if stage == 3 else 2.0, rel=0.05)
+        if stage == 3:  # bf16-mixed: 16-bit gathers and gradients (b = 2), the norm's all-reduce still fp32
+            bf16 = out["bf16"]
+            assert bf16["flat"][1:] == [flat // 2 + (norm_ring if rank % 2 else 0)] * (STEPS - 1), rank
+            assert bf16["2x2"][1:] == [hybrid // 2] * (STEPS - 1), rank
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -258,9 +266,16 @@ def test_hybrid_holds_what_flat_sharding_over_one_group_holds(ranks, stage: int)
         assert hybrid.optimizer - flat.optimizer == 8 * more
 
 
+def test_checkpoint_saved_under_hybrid_sharding_resumes_bit_exact_under_it(ranks) -> None:
+    for out in ranks:
+        (losses, params), (resumed_losses, resumed_params) = out["checkpoints"]["same"].values()
+        assert resumed_losses == losses and len(params) == 5
+        assert all(torch.equal(got, want) for got, want in zip(resumed_params, params))
+
+
 def test_checkpoint_saved_under_one_topology_resumes_under_the_other(ranks) -> None:
     for rank, out in enumerate(ranks):
-        for saved_hybrid, case in out["checkpoints"].items():
+        for saved_hybrid, case in ((k, v) for k, v in out["checkpoints"].items() if k != "same"):
             losses, params = case["whole"]
             resumed_losses, resumed_params = case["resumed"]
             assert len(resumed_params) == len(params) == 5
