@@ -10,9 +10,9 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 import lightning_zero.checkpoint.sharded as sharded_module
