@@ -2,8 +2,9 @@
 
 ``ZeroConfig`` composes them: ``CommConfig`` (buckets and gradient reduction, used by the reducers and
 ``collectives.py``), ``Stage3Config`` (units, prefetch and resharding, used by ``param_hooks.py``) and
-``OffloadConfig`` (where optimizer states and parameter shards live, used by ``offload/``) and ``WatchdogConfig`` (how
-fast a failed peer is detected, used by ``watchdog.py``). Users never
+``OffloadConfig`` (where optimizer states and parameter shards live, used by ``offload/``), ``TopologyConfig`` (which
+ranks shard together and which share a host, used by ``sharding/topology.py``) and ``WatchdogConfig`` (how fast a
+failed peer is detected, used by ``watchdog.py``). Users never
 name the components: ``ZeroStrategy(stage=3, prefetch=2)``, the Hydra config and ``ZeroConfig.from_options`` take
 flat option names, each defined once, here, with its default (``option_defaults`` lists them, and the CLI builds the
 Hydra schema of ``strategy=zero*`` from it). Every error names the option, the value it got and what is allowed, so a
@@ -166,6 +167,33 @@ class WatchdogConfig:
             )
 
 
+@dataclass(frozen=True)
+class TopologyConfig:
+    """Which ranks shard the model states together, and which share a host (see [Note: hybrid sharding] in
+    sharding/topology.py).
+
+    Args:
+        shard_group_size: hybrid sharding (HSDP, MiCS): consecutive groups of this many ranks each shard parameters,
+            gradients and optimizer states among themselves, and the groups hold replicas of one another (gradients
+            reduce-scattered inside the group, then all-reduced across groups). It must divide the world size (checked
+            at setup). ``None`` (default) shards over every rank.
+        node_size: how many consecutive ranks share a host, for the accounting of the bytes that cross between hosts
+            (``comm_stats.cross_group_bytes``); ``None``: ``shard_group_size`` under hybrid sharding, else the ranks
+            Lightning's cluster environment starts on one host (its devices per node). It must divide the world size.
+    """
+
+    shard_group_size: int | None = None
+    node_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("shard_group_size", "node_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ZeroConfigError(
+                    f"{name}={value!r} is invalid: it must be an integer >= 1 that divides the world size, or null"
+                )
+
+
 OFFLOAD_TARGETS = ("cpu", "disk")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
@@ -252,6 +280,7 @@ class ZeroConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     def __post_init__(self) -> None:
@@ -264,6 +293,14 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"offload_params={self.offload.offload_params!r} needs stage=3 (stages 1 and 2 keep full parameters "
                 f"on every rank), got stage={self.stage}: use offload_optimizer to offload stage {self.stage}'s states"
+            )
+        hybrid = self.topology.shard_group_size
+        offloaded = [f"{name}={getattr(self.offload, name)!r}" for name in ("offload_optimizer", "offload_params")
+                     if getattr(self.offload, name) is not None]
+        if hybrid is not None and offloaded:
+            raise ZeroConfigError(
+                f"shard_group_size={hybrid!r} with {' and '.join(offloaded)} is not supported yet: hybrid sharding keeps "
+                "the optimizer states on the device; drop one of them"
             )
         policy = self.activation_checkpointing_policy
         entries = policy if isinstance(policy, (tuple, list, set, frozenset)) else [None]  # a str or class: no list
@@ -303,7 +340,8 @@ class ZeroConfig:
 
 
 _COMPONENTS: dict[str, type] = {
-    "comm": CommConfig, "stage3": Stage3Config, "offload": OffloadConfig, "watchdog": WatchdogConfig,
+    "comm": CommConfig, "stage3": Stage3Config, "offload": OffloadConfig, "topology": TopologyConfig,
+    "watchdog": WatchdogConfig,
 }
 
 

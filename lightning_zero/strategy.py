@@ -38,10 +38,11 @@ from lightning_zero.memory import ModelStateBytes, give_back_freed_memory, model
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
-from lightning_zero.sharding.collectives import Collectives, CommStats
+from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
 from lightning_zero.sharding.materialize import generator_state, has_meta_tensors, materialize_shards, rng_state
 from lightning_zero.sharding.overlap import install_gate
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
+from lightning_zero.sharding.topology import Topology
 from lightning_zero.watchdog import Watchdog
 
 _START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
@@ -106,6 +107,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         )
         self._runtime: ZeroRuntime | None = None
         self._comm_stats = CommStats()
+        self._comms: tuple[Any, Collectives] | None = None
         self._init_rng_state: Tensor | int | None = None
         self._failed = False
         self._watchdog: Watchdog | None = None
@@ -153,7 +155,9 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
 
     @property
     def comm_stats(self) -> CommStats:
-        """Bytes moved by every collective this strategy issued on this rank (see ``collectives.py``)."""
+        """Bytes moved by every collective this strategy issued on this rank (see ``collectives.py``): ``total_bytes``,
+        and ``cross_group_bytes``, what this rank sent to other nodes (see [Note: what crosses nodes] in
+        sharding/topology.py)."""
         return self._comm_stats
 
     def model_state_bytes(self) -> ModelStateBytes:
@@ -172,6 +176,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         refuse_unsupported(trainer, self.model, self.config)
+        self.topology()  # a shard_group_size or node_size that does not divide the world fails here, on every rank
         self._start_watchdog()
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -180,17 +185,16 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
                 raise ValueError("SyncBatchNorm layers only work with GPU modules")  # as DistributedDataParallel
             self.model = self._layer_sync.apply(self.model)
         apply_activation_checkpointing(self.model, self.config.activation_checkpointing_policy)
-        comms = Collectives(self.root_device, shortcut_single_rank=self.config.comm.shortcut_single_rank,
-                            stats=self._comm_stats)
+        comms = self._collectives()
         materialized = None
         if self.config.stage == 3 and has_meta_tensors(self.model):
             # Every rank draws rank 0's numbers, even if the user never seeded.
             recorded = self._init_rng_state if self._init_rng_state is not None else rng_state(self.root_device)
             state = generator_state(self.root_device, recorded).clone().to(comms.device)
-            comms.broadcast_([state], "the random generator state for meta-device init")
+            comms.world.broadcast_([state], "the random generator state for meta-device init")
             materialized = materialize_shards(self.model, self.root_device, state.cpu(), comms.rank, comms.world_size)
         self.model_to_device()
-        sync_module_states(self.model, comms)
+        sync_module_states(self.model, comms.world)
         previous = self._runtime
         offload = None
         if self.config.offload.offload_optimizer:
@@ -213,6 +217,28 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         if self.config.stage != 3 and not self._runtime.single_rank:
             install_gate(trainer, self._runtime)  # user hooks wait for the gathers overlapping the next forward
         self._failed = False
+
+    def topology(self) -> Topology:
+        """Which ranks shard together and which share a host (see [Note: hybrid sharding] in sharding/topology.py);
+        raises, naming the option, unless ``shard_group_size`` and ``node_size`` divide the world size."""
+        options = self.config.topology
+        return Topology.make(self.world_size, self.global_rank, options.shard_group_size, options.node_size,
+                             host_ranks=self.num_processes)
+
+    def _collectives(self) -> Collectives:
+        """The runtime's collectives over the world; under hybrid sharding over the shard group, made at the first
+        setup (its process groups are created once, every rank creating them in the same order) and kept for the
+        setups after it (evaluation after fit)."""
+        topology = self.topology()
+        if not topology.hybrid:
+            return topology_collectives(self.root_device, topology, self.config.comm.shortcut_single_rank,
+                                        self._comm_stats)
+        key = (self.root_device, topology)
+        if self._comms is None or self._comms[0] != key:
+            comms = topology_collectives(self.root_device, topology, self.config.comm.shortcut_single_rank,
+                                         self._comm_stats)
+            self._comms = (key, comms)
+        return self._comms[1]
 
     @contextmanager
     @override
@@ -245,7 +271,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         else return how many were compared. Costs hashing the model on the host (and, under stage 3, one gather of
         it): a debugging and testing aid, not for every step. Every rank must call it."""
         with self.gathered_parameters():
-            return check_replicas(self.model, self.runtime.comms)
+            return check_replicas(self.model, self.runtime.comms.world)
 
     def grad_norm(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:
         """Use in ``on_before_optimizer_step`` instead of Lightning's ``grad_norm(module, norm_type)``, which sees only

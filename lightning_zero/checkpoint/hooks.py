@@ -80,7 +80,7 @@ class ShardedCheckpointHooks:
         optimizers = [runtime.sharded(_unwrap(o)) for o in self.optimizers]  # as Lightning lists optimizer_states
         facts = {
             "stage": self.config.stage,
-            "world_size": self.world_size,
+            "world_size": runtime.comms.world_size,  # the ranks that wrote rows: one shard group's under hybrid sharding
             "precision": self.precision_plugin.precision,
             "optimizer_classes": [type(o.optimizer).__name__ for o in optimizers],
         }

@@ -8,7 +8,8 @@ Lightning's dictionary with ``state_dict`` (every parameter at its full shape un
 as rank 0 holds them, as DDP's checkpoints hold rank 0's) and ``optimizer_states`` (each optimizer's
 ``state_dict()``, position-keyed, moments at full shape), loops, callbacks, schedulers, hyper-parameters and the
 loss scaler, plus one key of ours, ``lightning_zero`` (the stage, world size and precision it was saved with, the
-optimizer classes, and the checksums below). So ``torch.load(path)``, ``Model.load_from_checkpoint(path)`` and
+optimizer classes, and the checksums below; under hybrid sharding the world size is the shard group's, whose ranks
+wrote the rows: see [Note: hybrid sharding] in sharding/topology.py). So ``torch.load(path)``, ``Model.load_from_checkpoint(path)`` and
 ``Trainer(strategy="ddp").fit(ckpt_path=path)`` read it as they read a DDP checkpoint, with no lightning_zero
 installed; a model too large for one process's memory maps it instead (``torch.load(path, mmap=True)``).
 

@@ -97,11 +97,14 @@ def save_sharded(
     ``model_tensors`` and ``optimizer_tensors`` make them) to the one file ``path``: rank 0 lays the file out, every
     rank writes its rows, rank 0 records their checksums and renames the file into place. All ranks call this.
     ``model_shapes`` and ``optimizer_shapes`` are the parameters' shapes (by state_dict key, and per optimizer by
-    position): a 0-d parameter's DTensor is 1-d."""
+    position): a 0-d parameter's DTensor is 1-d. Under hybrid sharding (``comms`` over a shard group) the ranks of
+    replica 0 write the rows, each once, and the world coordinates (see [Note: hybrid sharding] in
+    sharding/topology.py)."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     sharded = _sharded_tensors(checkpoint, model_shapes, optimizer_shapes)
-    counts = [count for (count,) in comms.exchange([len(sharded)])]
+    world = comms.world
+    counts = [count for (count,) in world.exchange([len(sharded)])]
     if len(set(counts)) > 1:
         raise CheckpointError(
             f"saving {path}: the ranks hold different numbers of sharded tensors ({counts}); every rank must save the "
@@ -110,10 +113,10 @@ def save_sharded(
     placeholders = [s.placeholder for s in sharded]
     table = Placeholder(torch.Size([len(saved_ranges(placeholders, comms.world_size))]), torch.int64)
     info = dict(facts, version=FORMAT_VERSION, tensors=[s.location for s in sharded], crc32=table)
-    offsets = _lay_out(partial, _layout(checkpoint, sharded, info), [table, *placeholders], comms)
+    offsets = _lay_out(partial, _layout(checkpoint, sharded, info), [table, *placeholders], world)
     crcs = _write_own_rows(partial, sharded, offsets, comms)
-    if comms.rank == 0:
-        table_values = [crcs[rank][j] for j, rank, _, _ in saved_ranges(placeholders, comms.world_size)]
+    if world.rank == 0:
+        table_values = [crcs[position][j] for j, position, _, _ in saved_ranges(placeholders, comms.world_size)]
         fd = os.open(partial, os.O_WRONLY)
         try:
             write_rows(fd, offsets[0], torch.tensor(table_values, dtype=torch.int64))
@@ -121,7 +124,7 @@ def save_sharded(
         finally:
             os.close(fd)
         _commit(partial, path)
-    comms.barrier()
+    world.barrier()
 
 
 def _sharded_tensors(
@@ -216,28 +219,33 @@ def _lay_out(partial: Path, layout: dict[str, Any], placeholders: list[Placehold
 
 
 def _write_own_rows(partial: Path, sharded: list[_Sharded], offsets: list[int], comms) -> list[list[int]]:
-    """Write this rank's rows of every sharded tensor at their place in the file; every rank's CRC-32 per tensor."""
+    """Write this rank's rows of every sharded tensor at their place in the file, unless another replica of them
+    writes them (hybrid sharding: replica 0 does); the CRC-32 per tensor of each shard position's writer."""
+    writes = comms.replica_rank == 0
     crcs, failure = [0] * len(sharded), None
     try:
-        fd = os.open(partial, os.O_WRONLY)
-        try:
-            for j, tensor in enumerate(sharded):
-                crcs[j] = write_rows(fd, offsets[1 + j] + _first_byte(tensor, comms), tensor.source.to_local())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if writes:
+            fd = os.open(partial, os.O_WRONLY)
+            try:
+                for j, tensor in enumerate(sharded):
+                    crcs[j] = write_rows(fd, offsets[1 + j] + _first_byte(tensor, comms), tensor.source.to_local())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except Exception as err:  # the others must not rename a file this rank did not finish
         failure = err
-    everyone = comms.exchange([int(failure is None), *crcs])
+    world = comms.world
+    everyone = world.exchange([int(failure is None), int(writes), comms.rank, *crcs])
     failed = [rank for rank, values in enumerate(everyone) if not values[0]]
     if failed:
-        if comms.rank == 0:
+        if world.rank == 0:
             remove(partial)
-        problem = f"rank {comms.rank}: {first_line(failure)}" if failure else "see their errors"
+        problem = f"rank {world.rank}: {first_line(failure)}" if failure else "see their errors"
         raise CheckpointError(
             f"writing {partial} failed on rank(s) {failed} ({problem}); the previous checkpoint is kept"
         ) from failure
-    return [values[1:] for values in everyone]
+    by_position = {values[2]: values[3:] for values in everyone if values[1]}
+    return [by_position[position] for position in range(comms.world_size)]
 
 
 def _first_byte(tensor: _Sharded, comms) -> int:
@@ -358,7 +366,7 @@ def verify_rows(path: Path, checkpoint: dict[str, Any], comms, optimizer_states:
     """Each rank checks the saved ranges it is about to read; the ranks agree, so that a damaged range fails the
     load on every rank, naming it, before anything is changed."""
     found = damaged_range(path, checkpoint, comms.rank, comms.world_size, optimizer_states)
-    verdicts = [code for (code,) in comms.exchange([-1 if found is None else found[0]])]
+    verdicts = [code for (code,) in comms.world.exchange([-1 if found is None else found[0]])]
     failed = [rank for rank, code in enumerate(verdicts) if code >= 0]
     if failed:
         problem = found[1] if found is not None else describe_range(checkpoint, verdicts[failed[0]])

@@ -44,7 +44,17 @@ Every call records the *logical* volume per rank of the operation the algorithm 
 moves it: ``(N-1)/N`` of the full buffer for a reduce-scatter or an all-gather, ``2(N-1)/N`` for an all-reduce and
 the tensor's size for a broadcast. That is the hardware-independent figure the ZeRO paper's 2Ψ and 3Ψ refer to. The
 bytes the chosen algorithm actually puts on the wire are kept beside it as ``wire_bytes`` (twice the logical figure
-for the all-reduce that reduces CUDA tensors on gloo, the same figure otherwise).
+for the all-reduce that reduces CUDA tensors on gloo, the same figure otherwise), and ``cross_bytes``: what of it
+this rank sends to another node (see [Note: what crosses nodes] in topology.py).
+
+[Note: hybrid sharding's collectives]
+Under hybrid sharding (topology.py, [Note: hybrid sharding]) the runtime's ``Collectives`` is over the shard group,
+with ``replicas`` over this rank's replica group and ``world`` over every rank (``topology_collectives`` makes them,
+every rank creating every group in the same order, as torch requires). A reduce-scatter divides by the whole world
+before its sum, and ``Reduced.wait`` all-reduces the reduced segment across ``replicas`` before handing it over, so
+every caller of ``reduce_scatter`` (stages 1-3) gets the world's mean with no change of its own. That all-reduce is
+issued when the reduce-scatter is waited on and waited at once; on NCCL it is queued on the stream and the host does
+not wait.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -59,6 +70,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.sharding.flat_param import Bucket
+from lightning_zero.sharding.topology import Links, Topology
 
 #: Bucket collectives (gradient reduce-scatters, parameter all-gathers) in flight at once: bounds the transient memory
 #: of full-size bucket buffers to this many while still overlapping one with the packing of the next.
@@ -76,6 +88,7 @@ class OpStats:
     calls: int = 0
     bytes: int = 0
     wire_bytes: int = 0
+    cross_bytes: int = 0
 
 
 @dataclass
@@ -84,15 +97,21 @@ class CommStats:
 
     by_op: dict[str, OpStats] = field(default_factory=dict)
 
-    def record(self, op: str, nbytes: float, wire_bytes: float) -> None:
+    def record(self, op: str, nbytes: float, wire_bytes: float, cross_bytes: float = 0.0) -> None:
         stats = self.by_op.setdefault(op, OpStats())
         stats.calls += 1
         stats.bytes += round(nbytes)
         stats.wire_bytes += round(wire_bytes)
+        stats.cross_bytes += round(cross_bytes)
 
     @property
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.by_op.values())
+
+    @property
+    def cross_group_bytes(self) -> int:
+        """Bytes this rank sent to ranks of other nodes (see [Note: what crosses nodes] in topology.py)."""
+        return sum(s.cross_bytes for s in self.by_op.values())
 
     @property
     def total_calls(self) -> int:
@@ -138,11 +157,13 @@ class Gathered(Issued):
 class Reduced(Issued):
     """A reduce-scatter in flight; ``wait()`` gives this rank's averaged rows, one view per parameter of ``bucket``:
     ``segment`` itself, once the other ranks' copies of it that the exchange ``received`` (off NCCL) are added in
-    rank order."""
+    rank order, and, under hybrid sharding, summed across ``replicas`` (see [Note: hybrid sharding's
+    collectives])."""
 
     bucket: Bucket
     segment: Tensor
     received: Tensor | None = None
+    replicas: Collectives | None = None
 
     def wait(self) -> list[Tensor]:
         self._complete()
@@ -150,6 +171,9 @@ class Reduced(Issued):
             received, self.received = self.received, None
             for row in received:
                 self.segment.add_(row)
+        if self.replicas is not None:
+            replicas, self.replicas = self.replicas, None
+            replicas.all_reduce_(self.segment, f"the gradient shard of {self.bucket.shards[0].name}")
         return self.bucket.local_views(self.segment)
 
 
@@ -290,7 +314,8 @@ class Collectives:
 
     A world of size 1, or no initialized process group, turns every call into a local no-op that moves no bytes,
     unless ``shortcut_single_rank=False`` (which still issues the collectives at world size 1, e.g. to run every
-    NCCL call on one GPU).
+    NCCL call on one GPU). ``node_size``: consecutive global ranks per node, for ``stats``' cross-node bytes
+    (``None``: one node). Under hybrid sharding ``replicas`` and ``world`` are set by ``topology_collectives``.
     """
 
     def __init__(
@@ -299,11 +324,18 @@ class Collectives:
         group: dist.ProcessGroup | None = None,
         shortcut_single_rank: bool = True,
         stats: CommStats | None = None,
+        node_size: int | None = None,
     ) -> None:
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.node_size = node_size
+        #: Hybrid sharding: the collectives over this rank's replica group (see [Note: hybrid sharding's
+        #: collectives]); ``None`` when the shards are not replicated.
+        self.replicas: Collectives | None = None
+        #: The collectives over every rank: ``self`` unless this group is a shard group of hybrid sharding.
+        self.world: Collectives = self
         self.backend = dist.get_backend(group) if self.distributed else None
         backends = _device_backends(group) if self.distributed else {}
         if device is None:
@@ -338,8 +370,16 @@ class Collectives:
                 f"work on {self.device}: move it to {self.device} before handing it to a collective"
             )
 
-    def _global_rank(self, group_rank: int) -> int:
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+    @cached_property
+    def links(self) -> Links:
+        """The model of what this rank's collectives send to other nodes (see [Note: what crosses nodes])."""
+        group, distributed = self.group, self.distributed
+        members = dist.get_process_group_ranks(group) if distributed and group is not None else range(self.world_size)
+        return Links(tuple(members), self.rank, self.node_size)
+
+    def global_rank(self, group_rank: int) -> int:
+        """The rank in the world of this group's rank ``group_rank``."""
+        return self.links.members[group_rank]
 
     # ------------------------------------------------------------------------------------------- bucket collectives
 
@@ -353,27 +393,31 @@ class Collectives:
         self.check(f"the {what} of {bucket.shards[0].name}", bucket.device)
         buffer = bucket.empty() if buffer is None else buffer
         bucket.pack(grads, buffer)
-        n = self.world_size
-        if self.local:
+        n, replicas = self.world_size, self.replicas
+        if self.local and replicas is None:
             return Reduced(bucket=bucket, segment=buffer, guard=guard)
-        buffer.div_(n)  # before the sum, as DistributedDataParallel does, so the result matches its gradients
+        # Before the sum, as DistributedDataParallel does, so the result matches its gradients; by every rank of
+        # every replica (see [Note: hybrid sharding's collectives]).
+        buffer.div_(n * (replicas.world_size if replicas is not None else 1))
+        if self.local:  # a shard group of one rank: the whole buffer is its segment, summed across the replicas
+            return Reduced(bucket=bucket, segment=buffer, guard=guard, replicas=replicas)
         nbytes = buffer.numel() * buffer.element_size()
         logical = nbytes * (n - 1) / n
         if self.native:
             out = bucket.empty(bucket.segment_numel)
             work = _native("reduce_scatter_single", "reduce_scatter_tensor")(out, buffer, group=self.group, async_op=True)
-            self.stats.record("reduce_scatter", logical, logical)
-            return Reduced(bucket=bucket, segment=out, works=[work], guard=guard,
+            self.stats.record("reduce_scatter", logical, logical, self.links.ring(logical))
+            return Reduced(bucket=bucket, segment=out, works=[work], guard=guard, replicas=replicas,
                            held_bytes=out.numel() * out.element_size())
         if self.device.type != "cpu":  # gloo sends and receives host tensors only: reduce a device buffer whole
             work = dist.all_reduce(buffer, group=self.group, async_op=True)
-            self.stats.record("reduce_scatter", logical, 2 * logical)
-            return Reduced(bucket=bucket, segment=bucket.segment(buffer), works=[work], guard=guard)
+            self.stats.record("reduce_scatter", logical, 2 * logical, self.links.ring(2 * logical))
+            return Reduced(bucket=bucket, segment=bucket.segment(buffer), works=[work], guard=guard, replicas=replicas)
         received = torch.empty(n - 1, bucket.segment_numel, dtype=buffer.dtype, device=buffer.device)
         works = self._swap_segments(buffer.view(n, -1), received)
-        self.stats.record("reduce_scatter", logical, logical)
+        self.stats.record("reduce_scatter", logical, logical, self.links.to_each(nbytes / n))
         return Reduced(bucket=bucket, segment=bucket.segment(buffer), received=received, works=works, guard=guard,
-                       held_bytes=received.numel() * received.element_size())
+                       replicas=replicas, held_bytes=received.numel() * received.element_size())
 
     def _swap_segments(self, table: Tensor, received: Tensor) -> list:
         """Send row ``p`` of ``table`` to group rank ``p`` and receive each other rank's row of this rank into
@@ -383,8 +427,8 @@ class Collectives:
         tag = self._exchanges % _MAX_TAG
         ops = []
         for i, peer in enumerate(p for p in range(self.world_size) if p != self.rank):
-            ops.append(dist.P2POp(dist.isend, table[peer], self._global_rank(peer), self.group, tag))
-            ops.append(dist.P2POp(dist.irecv, received[i], self._global_rank(peer), self.group, tag))
+            ops.append(dist.P2POp(dist.isend, table[peer], self.global_rank(peer), self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, received[i], self.global_rank(peer), self.group, tag))
         return dist.batch_isend_irecv(ops) if ops else []  # alone (shortcut_single_rank=False): nothing to swap
 
     def all_gather(
@@ -403,13 +447,14 @@ class Collectives:
         if self.local:
             return Gathered(buffer=buffer, guard=guard)
         nbytes = buffer.numel() * buffer.element_size()
-        self.stats.record("all_gather", nbytes * (n - 1) / n, nbytes * (n - 1) / n)
+        cross = self.links.ring(nbytes * (n - 1) / n) if self.native else self.links.to_each(nbytes / n)
+        self.stats.record("all_gather", nbytes * (n - 1) / n, nbytes * (n - 1) / n, cross)
         table = buffer.view(n, -1)
         if self.native:
             gather = _native("all_gather_single", "all_gather_into_tensor")
             works = [gather(buffer, table[self.rank], group=self.group, async_op=True)]
         else:
-            works = [dist.broadcast(table[r], src=self._global_rank(r), group=self.group, async_op=True) for r in range(n)]
+            works = [dist.broadcast(table[r], src=self.global_rank(r), group=self.group, async_op=True) for r in range(n)]
         return Gathered(buffer=buffer, works=works, guard=guard)
 
     # ----------------------------------------------------------------------------------------------- small tensors
@@ -421,7 +466,8 @@ class Collectives:
             return
         nbytes = tensor.numel() * tensor.element_size()
         n = self.world_size
-        self.stats.record("all_reduce", 2 * nbytes * (n - 1) / n, 2 * nbytes * (n - 1) / n)
+        volume = 2 * nbytes * (n - 1) / n
+        self.stats.record("all_reduce", volume, volume, self.links.ring(volume))
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
 
     def broadcast_(self, tensors: Sequence[Tensor], what: str, src: int = 0) -> None:
@@ -433,8 +479,8 @@ class Collectives:
         works = []
         for tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()
-            self.stats.record("broadcast", nbytes, nbytes)
-            works.append(dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True))
+            self.stats.record("broadcast", nbytes, nbytes, self.links.broadcast(nbytes, src, chain=self.native))
+            works.append(dist.broadcast(tensor, src=self.global_rank(src), group=self.group, async_op=True))
         for work in works:
             work.wait()
 
@@ -475,11 +521,39 @@ class Collectives:
             dist.barrier(group=self.group, **({"device_ids": [self.device.index]} if self.native else {}))
 
     def device_mesh(self):
-        """A 1-D ``DeviceMesh`` over this group (for DTensor views of the shards in checkpoints)."""
+        """A 1-D ``DeviceMesh`` over this group (for DTensor views of the shards in checkpoints); a shard group of
+        hybrid sharding's is made from the group itself (a new mesh over it would need every rank to make it)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
-        return DeviceMesh(self.device.type, ranks)
+        if self.group is not None:
+            return DeviceMesh.from_group(self.group, self.device.type)
+        return DeviceMesh(self.device.type, list(range(self.world_size)))
+
+    @property
+    def replica_rank(self) -> int:
+        """Which replica of the shards this rank holds (0 unless hybrid sharding replicates them)."""
+        return self.replicas.rank if self.replicas is not None else 0
+
+
+def topology_collectives(
+    device: torch.device, topology: Topology, shortcut_single_rank: bool, stats: CommStats
+) -> Collectives:
+    """The collectives the runtime shards through: over the world when ``topology`` is flat; under hybrid sharding
+    over this rank's shard group, with ``replicas`` and ``world`` (see [Note: hybrid sharding's collectives]).
+    Every rank must call it at the same point: it creates every shard group, replica group and the shard groups'
+    control channels, in the same order on every rank, with the world's backend."""
+    options = dict(shortcut_single_rank=shortcut_single_rank, stats=stats, node_size=topology.node_size)
+    world = Collectives(device, **options)
+    if not topology.hybrid:
+        return world
+    shard_groups = [dist.new_group(ranks) for ranks in topology.shard_groups()]
+    replica_groups = [dist.new_group(ranks) for ranks in topology.replica_groups()]
+    controls = [dist.new_group(ranks, backend="gloo") for ranks in topology.shard_groups()]
+    comms = Collectives(device, shard_groups[topology.replica_rank], **options)
+    comms._control = controls[topology.replica_rank]
+    comms.replicas = Collectives(device, replica_groups[topology.shard_rank], **options)
+    comms.world = world
+    return comms
 
 
 def _device_backends(group: dist.ProcessGroup | None) -> dict[str, str]:

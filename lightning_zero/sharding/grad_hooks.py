@@ -326,7 +326,7 @@ class GradReducer:
 
     def _agree_on_used(self) -> list[list[bool]]:
         flags = torch.tensor([float(r) for ready in self._ready for r in ready], device=self.comms.device)
-        self.comms.all_reduce_(flags, "the find_unused_parameters flags")
+        self.comms.world.all_reduce_(flags, "the find_unused_parameters flags")  # any rank of any replica
         used = (flags > 0).tolist()
         out = []
         for ready in self._ready:

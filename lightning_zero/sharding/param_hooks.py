@@ -183,7 +183,8 @@ class ShardedParams:
             if used is None and not self._warned_unused and any(g is None for g in grads):
                 self._warned_unused = True
                 warn_unused([s.name for s, g in zip(bucket.shards, grads) if g is None])
-            stored = [g is not None or not self.comm.find_unused_parameters for g in grads]
+            # With find_unused_parameters: kept where any rank used it, as DDP steps a parameter one rank used.
+            stored = [used is None or used[s] for s in bucket.shards]
             self._reductions.launch(bucket, grads, stored, guard=guard)
 
     def _largest_buffer(self, unit: Unit) -> int:
@@ -226,7 +227,7 @@ class ShardedParams:
     def _agree_on_used(self) -> dict[ParamShard, bool]:
         shards = [s for unit in self._reduce_order[self._next_reduce :] for b in self._buckets_to_reduce(unit) for s in b.shards]
         flags = torch.tensor([float(s.param.grad is not None) for s in shards], device=self.comms.device)
-        self.comms.all_reduce_(flags, "the find_unused_parameters flags")
+        self.comms.world.all_reduce_(flags, "the find_unused_parameters flags")  # any rank of any replica
         return dict(zip(shards, (flags > 0).tolist()))
 
     _KINDS = ("gather", "reduce")

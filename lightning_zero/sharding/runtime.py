@@ -95,7 +95,8 @@ class ZeroRuntime:
         self.comms = comms
         self.working_dtype = working_dtype
         #: The world-size-1 short cut: no hooks, no copies (see [Note: the world-size-1 path]); offload keeps its own.
-        self.single_rank = comms.local and comms.world_size == 1 and not config.offload.offload_optimizer
+        self.single_rank = (comms.local and comms.world_size == 1 and comms.replicas is None
+                            and not config.offload.offload_optimizer)
         self.shards, self.cast = make_shards(module, config.stage, comms, working_dtype, materialized or {},
                                              self.single_rank)
         self.shard_of = {s.param: s for s in self.shards}
@@ -186,7 +187,7 @@ class ZeroRuntime:
         if not training:
             self.wait()
         if training and self.config.comm.broadcast_buffers:
-            self.comms.broadcast_(floating_buffers(self.module), "the module's floating-point buffers")
+            self.comms.world.broadcast_(floating_buffers(self.module), "the module's floating-point buffers")
         self.parameters.begin_step()
 
     def reading_guard(self):

@@ -73,7 +73,7 @@ class StepScaling:
         ``nonfinite_grads="skip"`` skips it and warns, ``"raise"`` raises, both naming the ranks, and ``"ignore"``
         (the default, with no check at all) steps as DDP would: the non-finite values spread through the averaged
         gradients alike on every rank, so the ranks never diverge from one another."""
-        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+        ranks = [self.comms.global_rank(r) for r, bad in enumerate(failed.tolist()) if bad]
         where = f"rank(s) {ranks}" if ranks else "the global norm (its sum of squares overflowed)"
         message = f"non-finite gradients (inf or NaN) on {where} at this optimizer step"
         if self.policy == "raise":
@@ -83,7 +83,8 @@ class StepScaling:
 
     def _global_norm(self, grads: list[Tensor]) -> tuple[Tensor, Tensor]:
         """The L2 norm of every rank's gradient shards together (padding excluded), and which ranks' shards hold an
-        inf or NaN: one all-reduce."""
+        inf or NaN: one all-reduce, over the shard group under hybrid sharding (its replicas hold the same shards:
+        see [Note: hybrid sharding] in topology.py), where the ranks named are this replica's."""
         stats = torch.zeros(1 + self.comms.world_size, dtype=torch.float32, device=self.comms.device)
         for dtype in {g.dtype for g in grads}:
             group = [g for g in grads if g.dtype == dtype and g.numel() > 0]

@@ -175,6 +175,7 @@ def test_the_repository_root_holds_the_config_tree_the_command_offers(capfd):
         ("hf_llama_finetune", 2, "lightning_zero.models.hf.HFModelConfig"),
         ("gpt_large_zero3", 3, "lightning_zero.models.GPTConfig"),
         ("gpt_medium_zero3_offload", 3, "lightning_zero.models.GPTConfig"),
+        ("gpt_small_zero3_hybrid", 3, "lightning_zero.models.GPTConfig"),
     ],
 )
 def test_recipe_composes(recipe, strategy, model):
@@ -233,7 +234,7 @@ BAD_INPUT = [
     ("trainer.precision=fp17", "trainer.precision='fp17' is invalid: allowed values are 32-true, bf16-mixed, 16-mixed"),
     ("trainer.precision=bf16-true", "trainer.precision='bf16-true' is invalid: allowed values are 32-true"),
     ("strategy=zero5", "strategy=zero5 is not an option: allowed values are auto, ddp, zero1, zero1_offload, zero2, "
-     "zero2_offload, zero3, zero3_offload, zero3_offload_disk"),
+     "zero2_offload, zero3, zero3_hybrid, zero3_offload, zero3_offload_disk"),
     ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_llama"),
     ("recipe=nope", "recipe=nope is not an option: allowed values are gpt_large_zero3, gpt_long_context_ac, "
      "gpt_medium_zero3_offload, gpt_small_zero3"),
@@ -280,7 +281,7 @@ def test_train_help_lists_the_config_groups(capfd):
     assert main(["train", "--help"]) == 0
     out = capfd.readouterr().out
     assert (
-        "strategy: auto, ddp, zero1, zero1_offload, zero2, zero2_offload, zero3, zero3_offload, zero3_offload_disk"
+        "strategy: auto, ddp, zero1, zero1_offload, zero2, zero2_offload, zero3, zero3_hybrid, zero3_offload, zero3_offload_disk"
     ) in out
     assert "recipe: gpt_large_zero3, gpt_long_context_ac, gpt_medium_zero3_offload, gpt_small_zero3, " in out
 

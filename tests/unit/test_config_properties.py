@@ -97,6 +97,8 @@ OPTION_VALUES: dict[str, Pair] = {
     "offload_resident_subgroups": (
         st.integers(2, 1000), st.integers(max_value=1) | st.sampled_from([2.5, 3.0, True, "3", None])
     ),
+    "shard_group_size": (st.none() | st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([2.0, True, "2"])),
+    "node_size": (st.none() | st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([4.0, False, "4"])),
     "failure_timeout_s": _seconds(1.0, optional=True),
     "heartbeat_s": _seconds(0.0, optional=False),
 }
@@ -127,6 +129,8 @@ def _blamed(options: dict[str, tuple[Any, bool]]) -> set[str]:
         ({"offload_params", "offload_optimizer"}, value["offload_params"] is not None
          and (value["offload_optimizer"] is None or value["offload_params"] == "disk" != value["offload_optimizer"])),
         ({"offload_params", "stage"}, value["offload_params"] is not None and value["stage"] != 3),
+        ({"shard_group_size", "offload_optimizer", "offload_params"}, value["shard_group_size"] is not None
+         and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
         ({"heartbeat_s", "failure_timeout_s"}, value["failure_timeout_s"] is not None
          and not value["heartbeat_s"] < value["failure_timeout_s"]),
     ]

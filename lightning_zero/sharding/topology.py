@@ -1,0 +1,145 @@
+"""Which ranks shard the model states together, which hold replicas of one another, and which share a host: the
+topology of (hybrid) sharding, as arithmetic on ranks. Nothing here calls ``torch.distributed``: collectives.py makes
+the process groups from a ``Topology`` (``topology_collectives``), and counts what crosses hosts with ``Links``.
+
+[Note: hybrid sharding]
+With ``shard_group_size=K`` the ``N`` ranks form ``R = N / K`` consecutive groups of ``K`` (ranks ``gK .. gK+K-1``,
+the "shard group", typically one host): parameters, gradients and optimizer states are sharded within the group, as
+flat sharding shards them over the world, and each group holds a full replica of the model states. Rank ``r`` is at
+position ``r % K`` of its shard group and in replica ``r // K``; the ranks at one position across the groups form its
+"replica group" (``p, p+K, p+2K, ...``), which hold the same rows. A step: the gradients are reduce-scattered inside
+the shard group (each rank pre-divides by ``N``, as DDP does), then each rank's reduced shard is all-reduced (summed)
+across its replica group, which gives exactly the mean over all ``N`` ranks that DDP computes; the parameter
+all-gathers (stages 1-2 after the update, stage 3 around each unit) run inside the shard group only. Every quantity
+that sums over shards (the gradient norm, the non-finite check, ``grad_norm``) is summed over the shard group only:
+its replicas hold the same values, so summing over the world would count each one ``R`` times. What must agree
+across every rank (rank 0's module states and buffers, the unused-parameter flags, the random state of meta-device
+init, checkpoint coordination) still goes over the world. ``K = N`` is flat sharding; ``K = 1`` replicates every
+state on every rank and all-reduces the gradients, as DDP does.
+
+A checkpoint holds each row once: the ranks of replica 0 (ranks ``0 .. K-1``) write their shards, the other replicas
+write nothing, and the file records ``K`` writers; rows are found by ``ShardSpec`` at load, so it loads at any
+world size and ``shard_group_size`` (and flat).
+
+[Note: what crosses nodes]
+A node is ``node_size`` consecutive ranks (one host). ``CommStats.cross_group_bytes`` counts the bytes this rank
+*sends* to ranks of another node, from the members of each collective's group (global ranks, in group order) and the
+algorithm that runs it; ``Links`` holds the per-algorithm models:
+
+- ring (NCCL's reduce-scatter, all-gather and all-reduce, gloo's all-reduce): the group's ranks form a ring in group
+  order and a rank sends everything it sends to the next member: ``(n-1)/n`` of the buffer for a reduce-scatter or
+  an all-gather, ``2(n-1)/n`` for an all-reduce. All of it crosses if that member is on another node, none otherwise.
+- direct (the exchange gloo's reduce-scatter runs, and gloo's all-gather as one broadcast per rank): a rank sends
+  its segment (``1/n`` of the buffer) straight to each other member; it crosses for each member on another node.
+- broadcast: on gloo the root sends the tensor to each member (crossing for each one on another node); on NCCL a
+  chain in group order from the root, each member but the last forwarding it to the next.
+
+At 2 nodes x 2 ranks (node_size 2), flat ZeRO-3 on gloo sends ``2/3`` of its reduce-scatter and all-gather bytes
+across (two of a rank's three peers are on the other node): per step ``2 * b * (3 S_units + 2 S_root)`` with ``S``
+the elements of a rank's segment (``S = Psi/4`` padded, the root unit gathered once a step); with
+``shard_group_size=2`` nothing of the shard group crosses, only the replica all-reduce of the gradient shard (a ring
+of 2: the whole segment, ``Psi/2`` padded, to the other node): ``b * Psi/2``. Small all-reduces (norm, flags) are
+counted too, by the ring model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_zero.config import ZeroConfigError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``world_size`` ranks in consecutive shard groups of ``shard_group_size``, nodes of ``node_size``; seen from
+    ``rank`` (see [Note: hybrid sharding])."""
+
+    world_size: int
+    rank: int
+    shard_group_size: int
+    node_size: int
+
+    @classmethod
+    def make(cls, world_size: int, rank: int, shard_group_size: int | None, node_size: int | None,
+             host_ranks: int) -> Topology:
+        """From the options (``None``: flat sharding; the node size from the options, else ``shard_group_size``
+        under hybrid sharding, else ``host_ranks``, the ranks Lightning starts on one host). Raises, naming the
+        option, unless each divides the world size."""
+        group = world_size if shard_group_size is None else shard_group_size
+        _check_divides("shard_group_size", group, world_size)
+        if node_size is None:
+            node_size = shard_group_size if shard_group_size is not None else host_ranks
+            if world_size % node_size:  # one host holding a part of the world only: the world is the node
+                node_size = world_size
+        _check_divides("node_size", node_size, world_size)
+        return cls(world_size, rank, group, node_size)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether there is more than one replica of the shards."""
+        return self.shard_group_size < self.world_size
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.shard_group_size
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's position in its shard group: which rows it owns."""
+        return self.rank % self.shard_group_size
+
+    @property
+    def replica_rank(self) -> int:
+        """Which replica (shard group) this rank belongs to."""
+        return self.rank // self.shard_group_size
+
+    def shard_groups(self) -> list[list[int]]:
+        k = self.shard_group_size
+        return [list(range(g * k, (g + 1) * k)) for g in range(self.replicas)]
+
+    def replica_groups(self) -> list[list[int]]:
+        k = self.shard_group_size
+        return [list(range(p, self.world_size, k)) for p in range(k)]
+
+
+def _check_divides(name: str, value: int, world_size: int) -> None:
+    if value < 1 or world_size % value:
+        allowed = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ZeroConfigError(
+            f"{name}={value} is invalid for a world of {world_size} ranks: it must divide the world size "
+            f"(allowed: {allowed})"
+        )
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bytes one rank sends to other nodes in a collective of its group (see [Note: what crosses nodes]).
+
+    ``members``: the group's global ranks in group order; ``index``: this rank's position among them;
+    ``node_size``: consecutive ranks per node (``None``: one node, nothing crosses)."""
+
+    members: tuple[int, ...]
+    index: int
+    node_size: int | None
+
+    def _crosses(self, peer: int) -> bool:
+        size = self.node_size
+        return size is not None and self.members[peer] // size != self.members[self.index] // size
+
+    def ring(self, nbytes: float) -> float:
+        """A ring in group order: ``nbytes`` go to the next member."""
+        n = len(self.members)
+        return nbytes if n > 1 and self._crosses((self.index + 1) % n) else 0.0
+
+    def to_each(self, nbytes: float) -> float:
+        """``nbytes`` sent straight to every other member."""
+        return nbytes * sum(self._crosses(p) for p in range(len(self.members)) if p != self.index)
+
+    def broadcast(self, nbytes: float, root: int, chain: bool) -> float:
+        """A broadcast of ``nbytes`` from group rank ``root``: a chain in group order (NCCL), or the root sending to
+        each member (gloo)."""
+        n = len(self.members)
+        if not chain:
+            return self.to_each(nbytes) if self.index == root else 0.0
+        following = (self.index + 1) % n
+        return nbytes if n > 1 and following != root and self._crosses(following) else 0.0

@@ -1,0 +1,64 @@
+"""The topology of hybrid sharding (which ranks shard together, which replicate, which share a node) and the model of
+what each collective algorithm sends across nodes (sharding/topology.py), without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_zero import ZeroConfigError
+from lightning_zero.sharding.topology import Links, Topology
+
+
+def test_consecutive_shard_groups_and_strided_replica_groups() -> None:
+    topology = Topology.make(world_size=8, rank=5, shard_group_size=4, node_size=None, host_ranks=8)
+    assert topology.shard_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert topology.replica_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert (topology.shard_rank, topology.replica_rank, topology.replicas) == (1, 1, 2)
+    assert topology.hybrid and topology.node_size == 4  # a node is the shard group unless given
+
+
+def test_flat_sharding_takes_the_node_from_the_hosts_ranks() -> None:
+    flat = Topology.make(world_size=8, rank=3, shard_group_size=None, node_size=None, host_ranks=4)
+    assert not flat.hybrid and flat.shard_group_size == 8 and flat.node_size == 4
+    assert flat.shard_groups() == [list(range(8))] and flat.replica_groups() == [[r] for r in range(8)]
+    assert Topology.make(4, 0, None, 2, host_ranks=4).node_size == 2  # 4 CPU ranks as 2 nodes x 2
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(shard_group_size=4, node_size=None), "shard_group_size=4 is invalid for a world of 6 ranks: it must divide "
+                                               "the world size (allowed: 1, 2, 3, 6)"),
+    (dict(shard_group_size=3, node_size=4), "node_size=4 is invalid for a world of 6 ranks: it must divide the world "
+                                            "size (allowed: 1, 2, 3, 6)"),
+])
+def test_a_size_that_does_not_divide_the_world_is_refused(options: dict, message: str) -> None:
+    with pytest.raises(ZeroConfigError) as err:
+        Topology.make(6, 0, host_ranks=6, **options)
+    assert str(err.value) == message
+
+
+def test_three_groups_of_two() -> None:
+    topology = Topology.make(6, 4, shard_group_size=2, node_size=None, host_ranks=6)
+    assert topology.shard_groups() == [[0, 1], [2, 3], [4, 5]]
+    assert topology.replica_groups() == [[0, 2, 4], [1, 3, 5]]
+    assert (topology.shard_rank, topology.replica_rank) == (0, 2)
+
+
+def test_ring_crosses_only_where_the_next_member_is_on_another_node() -> None:
+    world = (0, 1, 2, 3)
+    assert [Links(world, i, node_size=2).ring(100.0) for i in range(4)] == [0.0, 100.0, 0.0, 100.0]
+    assert Links((0, 2), 0, node_size=2).ring(100.0) == 100.0  # a replica group: its members on two nodes
+    assert Links((0, 1), 1, node_size=2).ring(100.0) == 0.0  # a shard group inside one node
+    assert Links(world, 1, node_size=None).ring(100.0) == 0.0  # one node
+
+
+def test_direct_sends_cross_once_per_member_on_another_node() -> None:
+    assert [Links((0, 1, 2, 3), i, node_size=2).to_each(10.0) for i in range(4)] == [20.0] * 4
+    # A wrong grouping (strided, across the nodes) would make the shard group's traffic cross.
+    assert Links((0, 2), 0, node_size=2).to_each(10.0) == 10.0
+
+
+def test_broadcast_from_the_root_or_along_a_chain() -> None:
+    world = (0, 1, 2, 3)
+    assert [Links(world, i, 2).broadcast(8.0, root=0, chain=False) for i in range(4)] == [16.0, 0.0, 0.0, 0.0]
+    # NCCL's chain 0 -> 1 -> 2 -> 3: only 1 -> 2 crosses; 3 does not send back to the root.
+    assert [Links(world, i, 2).broadcast(8.0, root=0, chain=True) for i in range(4)] == [0.0, 8.0, 0.0, 0.0]
