@@ -154,14 +154,18 @@ def run_job(name: str, spec: dict, args) -> dict:
 
 def run_ranks(job: dict, python: str) -> int:
     """The job itself (inside memlimit's cgroup): its ranks as fresh processes, gloo on this host."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     for resume in (False, True):
-        code = _launch(dict(job, resume=resume), port + resume, python)
+        code = _launch(dict(job, resume=resume), _free_port(), python)
         if code:
             return code
     return 0
+
+
+def _free_port() -> int:
+    """A port free now, asked afresh for each launch (the resume's too: the first launch's may still be closing)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _launch(job: dict, port: int, python: str) -> int:
@@ -178,13 +182,24 @@ def _launch(job: dict, port: int, python: str) -> int:
         log = open(os.path.join(job["outdir"], f"{name}.rank{rank}.log"), "w")
         procs.append((subprocess.Popen([python, "-m", "zbench.phases", json.dumps(job)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT, cwd=ROOT), log))
-    codes = [proc.wait() for proc, _ in procs]
+    codes = _wait_all([proc for proc, _ in procs])
     for _, log in procs:
         log.close()
     if any(codes):
         with open(os.path.join(job["outdir"], f"{name}.rank0.log")) as f:
             print("\n".join(f.read().splitlines()[-8:]), file=sys.stderr)
     return max(codes)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
+    """Every rank's exit code; once one fails, the others are ended (they would wait for it until their timeout)."""
+    while any(proc.poll() is None for proc in procs):
+        if any(proc.poll() not in (None, 0) for proc in procs):
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+        time.sleep(0.5)
+    return [proc.returncode for proc in procs]
 
 
 def _memlimit_usable(path: str) -> bool:
