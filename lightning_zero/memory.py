@@ -123,15 +123,56 @@ def return_large_blocks_at_once() -> bool:
     With the threshold moving, the activations, gathered parameters and gradients of a few MiB that a step allocates
     and frees come from glibc's heap, which keeps freed pages for reuse; fragmentation leaves much of them unused yet
     resident. On the 303M-parameter GPT of BENCHMARKS.md under disk offload that was 0.4 GiB per rank of the training
-    peak (1.24 GiB against 0.87 with the threshold fixed), memory a hard limit counts like any other. Disk offload,
-    chosen to fit a model in less host memory, fixes the threshold when it sets up (process-wide, for the rest of
-    the process); the cost is that such blocks are mapped afresh each time (page faults, well under 1% of a
-    disk-offloaded step). Returns whether the C library has ``mallopt``.
+    peak (1.24 GiB against 0.87 with the threshold fixed), memory a hard limit counts like any other; on the 85M GPT
+    of BENCHMARKS.md's per-phase table, in-memory zero3 on the CPU peaked at 1.57 GiB per rank in its steady steps
+    against 1.38 with the threshold fixed (the formula: 1.31-1.35), zero2 with optimizer offload at 1.67 against 1.51.
+    Disk offload, chosen to fit a model in less host memory, fixes the threshold when it sets up, and so does
+    ZeroStrategy's setup wherever the training device is the CPU under stage 3 or an optimizer offload, the modes
+    chosen to hold less (process-wide, for the rest of the process; zero1 and zero2 without offload keep glibc's
+    default, as DDP runs with it); the cost is that such blocks are mapped afresh each time (page faults, well
+    under 1% of a disk-offloaded step). Returns whether the C library has ``mallopt``.
     """
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (a file's clean pages leave memory; others stay)
+_PAGE = 4096
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Let the kernel reclaim the pages under ``tensor``'s bytes now (``madvise(MADV_PAGEOUT)``): for a view of a
+    memory-mapped checkpoint whose rows were just copied out, its clean file pages leave the process's resident set
+    (and the page cache) instead of staying mapped until the whole checkpoint is dropped. Only a file's pages: a
+    tensor in anonymous memory (a state dict built in memory) is left alone, so nothing is pushed to swap. No data is
+    lost (a later read faults the pages in again); a no-op off the CPU, where ``madvise`` is missing, or on kernels
+    before 5.4."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0 or not _in_file_mapping(tensor):
+        return
+    if tensor.is_contiguous():
+        start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    else:  # its bytes are not one range: the whole storage
+        start, nbytes = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+    first = start - start % _PAGE
+    madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + nbytes - first), _MADV_PAGEOUT)
+
+
+def _in_file_mapping(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage lies in a mapping of a file (``/proc/self/maps``: a non-zero inode)."""
+    address = tensor.untyped_storage().data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, _perms, _offset, _dev, inode = line.split(maxsplit=5)[:5]
+                start, end = (int(x, 16) for x in span.split("-"))
+                if start <= address < end:
+                    return inode != "0"
+    except OSError:
+        pass
+    return False
 
 
 @functools.lru_cache(maxsize=1)

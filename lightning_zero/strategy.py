@@ -34,7 +34,12 @@ from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, check_launch_settings, option_defaults
 from lightning_zero.host_math import settle_mkl_dispatch
 from lightning_zero.lightning_compat import apply_activation_checkpointing, refuse_accelerator, refuse_unsupported
-from lightning_zero.memory import ModelStateBytes, give_back_freed_memory, model_state_bytes
+from lightning_zero.memory import (
+    ModelStateBytes,
+    give_back_freed_memory,
+    model_state_bytes,
+    return_large_blocks_at_once,
+)
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
@@ -179,6 +184,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         self.topology()  # a shard_group_size or node_size that does not divide the world fails here, on every rank
         self._start_watchdog()
         self.accelerator.setup(trainer)
+        if self.root_device.type == "cpu" and (self.config.stage == 3 or self.config.offload.offload_optimizer):
+            return_large_blocks_at_once()  # see [Note: glibc's heap and a memory limit]
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             if self.root_device.type == "cpu":

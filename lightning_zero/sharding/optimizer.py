@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.memory import release_pages
 from lightning_zero.sharding.flat_param import ParamShard
 
 #: Optimizers whose update is not element-wise, and why ZeRO cannot step them on row shards.
@@ -161,7 +162,9 @@ class ShardedOptimizer:
             local_state[index] = {}
             for key, value in entry.items():
                 if is_per_element(key, value, shard.spec.shape, shard):
-                    value = self._keep_rows(shard.spec.local_view(value))
+                    rows = shard.spec.local_view(value)
+                    value = self._keep_rows(rows)
+                    release_pages(rows)  # as in ZeroRuntime.load_full_state_dict
                 elif torch.is_tensor(value) and value.dim() > 0:
                     raise ValueError(
                         f"optimizer state {key!r} of parameter {shard.name!r} has shape {tuple(value.shape)}, "

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.memory import release_pages
 from lightning_zero.sharding.collectives import BufferPool, Collectives, gather_bucket
 from lightning_zero.sharding.flat_param import ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import GradReducer
@@ -352,7 +353,9 @@ class ZeroRuntime:
                 raise RuntimeError(
                     f"{shard.name}: the state_dict has shape {tuple(value.shape)}, the model {tuple(shard.spec.shape)}"
                 )
-            self._write_master(shard, shard.spec.local_view(value))
+            rows = shard.spec.local_view(value)
+            self._write_master(shard, rows)
+            release_pages(rows)  # a mapped checkpoint's rows, copied: not kept resident until the load ends
         for name, buffer in buffers.items():
             if name in state_dict and torch.is_tensor(buffer):
                 buffer.copy_(state_dict[name])
