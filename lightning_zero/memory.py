@@ -138,17 +138,18 @@ def return_large_blocks_at_once() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
 
 
-_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (a file's clean pages leave memory; others stay)
+_MADV_DONTNEED = 4  # unmap these pages from this process (a file mapping's: read again from the file if touched)
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now, page cache included, where the kernel can
 _PAGE = 4096
 
 
 def release_pages(tensor: torch.Tensor) -> None:
-    """Let the kernel reclaim the pages under ``tensor``'s bytes now (``madvise(MADV_PAGEOUT)``): for a view of a
-    memory-mapped checkpoint whose rows were just copied out, its clean file pages leave the process's resident set
-    (and the page cache) instead of staying mapped until the whole checkpoint is dropped. Only a file's pages: a
-    tensor in anonymous memory (a state dict built in memory) is left alone, so nothing is pushed to swap. No data is
-    lost (a later read faults the pages in again); a no-op off the CPU, where ``madvise`` is missing, or on kernels
-    before 5.4."""
+    """Drop the pages under ``tensor``'s bytes from this process now, for a view of a memory-mapped checkpoint whose
+    rows were just copied out: they leave the resident set instead of staying mapped until the whole checkpoint is
+    dropped (``madvise``: ``MADV_PAGEOUT``, which also reclaims them from the page cache where the kernel can, then
+    ``MADV_DONTNEED``, which unmaps whatever is left). Only a file's pages, and only for a mapping never written to
+    (a checkpoint as loaded): a later read gets the file's bytes again. A tensor in anonymous memory (a state dict
+    built in memory) is left alone. A no-op off the CPU or where ``madvise`` is missing."""
     madvise = getattr(_libc(), "madvise", None)
     if madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0 or not _in_file_mapping(tensor):
         return
@@ -157,7 +158,8 @@ def release_pages(tensor: torch.Tensor) -> None:
     else:  # its bytes are not one range: the whole storage
         start, nbytes = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
     first = start - start % _PAGE
-    madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + nbytes - first), _MADV_PAGEOUT)
+    for advice in (_MADV_PAGEOUT, _MADV_DONTNEED):
+        madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + nbytes - first), advice)
 
 
 def _in_file_mapping(tensor: torch.Tensor) -> bool:
