@@ -54,7 +54,8 @@ only through the sub-groups it keeps resident):
 Setup adds to the eager model what it allocates: DDP its gradient buckets, stage 3 the parameter shards and one
 unit, offload the fp32 masters. Memory freed after a step stays with the process (glibc's heap on a CPU, the
 caching allocator on CUDA), so a checkpoint save and the teardown start from the step's peak; stage 3's teardown
-gathers the full model back into the module (4Ψ). A resumed job peaks at the larger of its setup and its step.
+gathers the full model back into the module (4Ψ; with parameter shards on disk into memory-mapped files, whose pages
+are not held). A resumed job peaks at the larger of its setup and its step.
 """
 
 from __future__ import annotations
@@ -460,7 +461,9 @@ def peak_estimate(
     made_at_setup = {0: e.grads, 3: (0 if layout.offload_params == "disk" else e.params) + unit}
     masters = 4 * optim_elements if layout.offload_optimizer is not None else 0
     setup = t["baseline"] + t["eager"] + made_at_setup.get(layout.stage, 0) + masters
-    full_model = num_params * measure.element_bytes if layout.stage == 3 else 0
+    # the end of fit gives stage 3's module its full parameters: in memory, or memory-mapped files with parameter
+    # shards on disk (DiskOffload.full_parameter), whose pages are not held
+    full_model = num_params * measure.element_bytes if layout.stage == 3 and layout.offload_params != "disk" else 0
     phases = {
         "import_build": t["baseline"] + t["eager"],
         "setup": setup,
