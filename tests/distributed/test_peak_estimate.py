@@ -30,7 +30,7 @@ from tests.models import make_trainer
 CONFIG = GPTConfig(vocab_size=256, n_layer=6, n_head=4, d_model=256, seq_len=64, dropout=0.0, tie_embeddings=False)
 BATCH = 4
 STEPS = 3
-OPTIONS = ("zero1", "zero2", "zero3", "zero2_offload")
+OPTIONS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_offload_disk")
 FIT_PHASES = ("import_build", "setup", "first_step", "steady_step", "teardown")
 
 
