@@ -36,7 +36,8 @@ _METADATA = frozenset({
     "requires_grad_", "grad", "_grad", "grad_fn", "is_leaf", "data", "_version", "register_hook",
     "register_post_accumulate_grad_hook", "_backward_hooks", "_post_accumulate_grad_hooks", "untyped_storage",
     "data_ptr", "is_sparse", "names", "__hash__", "__eq__", "detach", "__format__", "output_nr", "_base",
-    "is_contiguous", "stride", "storage_offset", "get_device", "_is_view", "is_quantized", "is_nested",
+    "is_contiguous", "stride", "storage_offset", "get_device", "_is_view", "is_quantized", "is_nested", "is_shared",
+    "is_pinned",
     # new tensors made from the metadata alone (an optimizer's state made in its constructor: Adagrad's sums)
     "empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones", "new_full",
 })

@@ -28,6 +28,8 @@ class _CountingModel(ParityModel):
         self.seen["ModelSummary()"] = (summary.total_parameters, summary.trainable_parameters, summary.param_nums)
         self.seen["shapes"] = [tuple(p.shape) for p in self.parameters()]
         self.seen["state_dict"] = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        # what Lightning's launcher checks (test_memory_sharing_disabled): metadata, answered as under DDP
+        self.seen["shared, pinned"] = [(p.is_shared(), p.is_pinned()) for p in self.parameters()]
 
     def training_step(self, batch, batch_idx):
         self.seen.setdefault("training_step", sum(p.numel() for p in self.parameters()))
@@ -82,7 +84,7 @@ def test_counts_shapes_and_summaries_are_the_models_as_under_ddp(stage: str) -> 
         ddp, ours = rank["ddp"], rank[stage]
         total = sum(p.numel() for p in ParityModel().parameters())
         assert ddp["on_train_start"] == ddp["training_step"] == total
-        for key in ("on_train_start", "training_step", "ModelSummary()", "shapes", "state_dict"):
+        for key in ("on_train_start", "training_step", "ModelSummary()", "shapes", "state_dict", "shared, pinned"):
             assert ours[key] == ddp[key], key
         if ddp["callback"] is not None or ours["callback"] is not None:  # the callback summarizes on rank 0
             assert ours["callback"] == ddp["callback"]
