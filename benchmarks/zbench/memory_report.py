@@ -91,6 +91,8 @@ def render(results: dict) -> str:
     measured = (f"Measured step (`estimate --measure`): baseline {_gib(m['baseline'])} GiB, activations "
                 f"{_mib(m['activation_per_sample'])} MiB per sequence + {_mib(m['activation_fixed'])} MiB, largest "
                 f"unit {m['unit_elements'] / 1e6:.2f}M elements.")
+    if results.get("estimate_note"):
+        measured += f" The formulas: {results['estimate_note']}."
     lines = [head, "", measured, "",
              "Peak resident memory per rank (the larger rank), GiB: measured / formula (ratio). Whole run: the "
              "largest phase per rank and the estimate's predicted peak; whole job: every rank and the page cache "
