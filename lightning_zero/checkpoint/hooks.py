@@ -51,7 +51,7 @@ class ShardedCheckpointHooks:
 
     def _holds_shards(self) -> bool:
         """Whether this process trains the shards. The process that started spawned ranks never does: after ``fit``
-        it holds the full weights rank 0 sent back, and saves them as DDP would (one file, from rank 0)."""
+        it holds the full weights rank 0 sent back, and saves and loads them as DDP would (one file, from rank 0)."""
         return self._runtime is not None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -101,6 +101,8 @@ class ShardedCheckpointHooks:
         """Map a checkpoint file (ours, DDP's, one device's, ``consolidate``'s), check it against the model and the
         optimizers on every rank, and hand it to Lightning; the model and optimizer state are then copied in, each
         rank reading only its rows. A checkpoint directory (the earlier format) is read straight into the shards."""
+        if not self._holds_shards():
+            return super().load_checkpoint(checkpoint_path, weights_only)
         runtime = self.runtime
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -125,11 +127,15 @@ class ShardedCheckpointHooks:
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._holds_shards():
+            return super().load_model_state_dict(checkpoint, strict=strict)
         if self._loaded_directory:
             return
         self.runtime.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._holds_shards():
+            return super().load_optimizer_state_dict(checkpoint)
         if self._loaded_directory:
             self._loaded_directory = False
             return

@@ -77,13 +77,20 @@ def _save_in_the_launching_process(strategy: str, path) -> dict[str, torch.Tenso
     trainer = make_trainer(strategy, 2, max_steps=6)
     trainer.fit(model)
     trainer.save_checkpoint(path)  # this process launched the ranks and never trained: it holds rank 0's weights
-    return torch.load(path, weights_only=True)["state_dict"]
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    trainer._checkpoint_connector.restore(path)  # and loads as DDP does (Lightning's run_model_test)
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    return saved
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_the_launching_process_saves_the_weights_like_ddp(stage: int, tmp_path) -> None:
     """After a fork (or spawn) launch, ``trainer.save_checkpoint`` in the launching process writes one regular file
-    of the weights rank 0 sent back, as under DDP (Lightning's ``test_multi_cpu_model_ddp`` does this)."""
+    of the weights rank 0 sent back, and restoring it there loads them, as under DDP (Lightning's
+    ``test_multi_cpu_model_ddp`` does both)."""
     reference = _save_in_the_launching_process("ddp_fork", tmp_path / "ddp.ckpt")
     got = _save_in_the_launching_process(f"zero{stage}_fork", tmp_path / "zero.ckpt")
     assert got.keys() == reference.keys()
