@@ -105,6 +105,10 @@ class Stage3Config:
             reduction buffers kept across units and steps hold at most this many MiB; ``None`` (default): twice the
             largest unit's buffer (the root unit, gathered once a step, not counted); 0 keeps none. Counted in
             ``model_state_bytes()`` as ``buffers``.
+        quantize_weights: ZeRO++'s qwZ: each unit's forward all-gather sends every rank's shard as int8, one fp32
+            scale per block of 4096 elements (``sharding/quantize.py``), about a quarter of fp32's bytes and half of
+            bf16's; every rank dequantizes the gathered payloads into the unit's working-dtype parameters. The fp32
+            master weights and the optimizer step stay exact, and the backward's all-gather full precision.
     """
 
     units: tuple[str, ...] = ()
@@ -113,13 +117,14 @@ class Stage3Config:
     reshard_after_forward: bool = True
     verify_unit_order: bool = True
     buffer_pool_mb: float | None = None
+    quantize_weights: bool = False
 
     def __post_init__(self) -> None:
         _check_names("units", self.units)
         _check_mib("unit_mb", self.unit_mb)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ZeroConfigError(f"prefetch={self.prefetch!r} is invalid: it must be an integer >= 1")
-        _check_bool(self, "reshard_after_forward", "verify_unit_order")
+        _check_bool(self, "reshard_after_forward", "verify_unit_order", "quantize_weights")
         pool = self.buffer_pool_mb
         if pool is not None and not (_is_number(pool) and 0 <= pool < float("inf")):
             raise ZeroConfigError(f"buffer_pool_mb={pool!r} is invalid: it must be a number of MiB >= 0, or null (auto)")
@@ -301,6 +306,15 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"shard_group_size={hybrid!r} with {' and '.join(offloaded)} is not supported yet: hybrid sharding keeps "
                 "the optimizer states on the device; drop one of them"
+            )
+        if self.stage3.quantize_weights and self.stage != 3:
+            raise ZeroConfigError(
+                f"quantize_weights=True needs stage=3 (it quantizes stage 3's parameter all-gathers), got "
+                f"stage={self.stage}"
+            )
+        if self.stage3.quantize_weights and offloaded:
+            raise ZeroConfigError(
+                f"quantize_weights=True with {' and '.join(offloaded)} is not supported yet: drop one of them"
             )
         policy = self.activation_checkpointing_policy
         entries = policy if isinstance(policy, (tuple, list, set, frozenset)) else [None]  # a str or class: no list

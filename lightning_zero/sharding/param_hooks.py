@@ -14,6 +14,17 @@ reduced yet is, with zeros for missing gradients (or, with ``find_unused_paramet
 any rank used). The root unit holds the parameters no unit owns (tied weights among them): it is gathered for the
 whole step and reduced last. Activation checkpointing re-runs a unit's forward inside backward: its hooks then only
 make sure the unit is gathered, in state ``BACKWARD``, so recomputation costs no extra all-gather.
+
+[Note: which gathers qwZ quantizes]
+With ``quantize_weights`` the gathers a forward issues are quantized (collectives.py, [Note: the quantized
+all-gather]): the pre-forward hook's and its prefetches, in training and evaluation, and the root unit's at the start
+of a step, which then serves the backward too (as a unit kept from forward to backward by
+``reshard_after_forward=False`` does). The backward's gathers (the pre-backward hook's, its prefetches, and
+activation checkpointing's recomputation, which reuses them) are full precision: ZeRO++ sends them quantized only
+where hpZ's secondary copy does not serve them, and hpZ is not implemented here. ``gathered`` (state dicts,
+``gathered_parameters``, checkpoints) and everything after fit see the exact values: a unit gathered quantized is
+gathered again in full precision there. The optimizer updates the fp32 masters from gradients computed through the
+quantized forward; the masters themselves never hold quantized values.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from lightning_zero.config import CommConfig, Stage3Config
 from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import BucketReductions, GradHooks, GradShards, ShardStorage, warn_unused
+from lightning_zero.sharding.quantize import BlockFormat
 from lightning_zero.sharding.unit_state import (
     UNBOUNDED,
     RankDivergenceError,
@@ -90,6 +102,7 @@ class ShardedParams:
         self.pool = BufferPool(comms.device, limit=config.prefetch + 1 + MAX_IN_FLIGHT, max_bytes=bound)
         for unit in self.all_units:
             unit.pool = self.pool
+            unit.weight_format = BlockFormat(bits=8) if config.quantize_weights else None
         self._done: set[Unit] = set()
         self._next_reduce = 0
         self._reductions = BucketReductions(comms, self.pool, self.grad_shards)
@@ -119,8 +132,8 @@ class ShardedParams:
                 return None
             if unit not in self._forward_order:
                 self._forward_order.append(unit)
-            unit.wait_unshard()
-            self._prefetch_after(unit, self._last_order)
+            unit.wait_unshard(quantized=True)
+            self._prefetch_after(unit, self._last_order, quantized=True)
             if self._holding or not torch.is_grad_enabled():
                 return None
             routed = _route_through_post_backward(lambda: self._mark(unit, "inputs"), args, kwargs)
@@ -145,14 +158,14 @@ class ShardedParams:
 
         return hook
 
-    def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
+    def _prefetch_after(self, unit: Unit, order: list[Unit], quantized: bool = False) -> None:
         if unit not in order:
             return
         start = order.index(unit) + 1
         for candidate in order[start : start + self.config.prefetch]:
             if sum(u.state is not UnitState.SHARDED for u in self.units) > self.config.prefetch:
                 break
-            candidate.start_unshard()
+            candidate.start_unshard(quantized)
 
     # --------------------------------------------------------------------------------------------------- backward
 
@@ -284,7 +297,7 @@ class ShardedParams:
             finished, self._sequence = self._sequence, []
             self._expected = finished if finished == self._previous else []
             self._previous = finished
-        self.root.wait_unshard()
+        self.root.wait_unshard(quantized=True)
 
     def after_update(self, stepped: Sequence[ParamShard], defer: bool = False) -> None:
         """Units are gathered from the updated shards when they next run; one still gathered (the root unit during
@@ -316,6 +329,8 @@ class ShardedParams:
             yield
             return
         for unit in self.all_units:
+            if unit.quantized:  # gathered for a forward under qwZ: the exact values are wanted here
+                unit.reshard()
             unit.wait_unshard()
         self._holding = True
         try:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from lightning_zero.sharding.collectives import BucketGather, BufferPool, Collectives, gather_bucket
 from lightning_zero.sharding.flat_param import ParamShard, make_buckets
+from lightning_zero.sharding.quantize import BlockFormat
 
 #: A bucket size with no cap: a unit moves its parameters of one dtype in one collective.
 UNBOUNDED = 1 << 62
@@ -84,6 +85,10 @@ class Unit:
         #: across its units; this one keeps none, so each gather allocates afresh).
         self.pool = BufferPool(comms.device, limit=0)
         self.gather_buckets = make_buckets(self.shards, UNBOUNDED)
+        #: The format of the quantized gathers ``start_unshard(quantized=True)`` asks for (qwZ; ``None``: off).
+        self.weight_format: BlockFormat | None = None
+        #: Whether the parameters gathered (or on their way) were gathered quantized.
+        self.quantized = False
         #: Per gather bucket, the storage the full parameters are views of: kept from gather to gather and emptied
         #: in place between them (see [Note: how a full parameter is freed and restored]).
         self._storages: list[Tensor | None] = [None] * len(self.gather_buckets)
@@ -101,23 +106,28 @@ class Unit:
             names = " or ".join(s.name for s in states)
             raise AssertionError(f"{self}: expected state {names}, found {self.state.name}")
 
-    def start_unshard(self) -> None:
-        """Issue the all-gather of this unit's shards, unless it is already gathered or on its way."""
+    def start_unshard(self, quantized: bool = False) -> None:
+        """Issue the all-gather of this unit's shards, unless it is already gathered or on its way; ``quantized``:
+        in ``weight_format``, if set (a forward's gather under qwZ)."""
         if self.state is not UnitState.SHARDED:
             return
         guard = self.announce("gather", self) if self.gather_buckets else None
+        fmt = self.weight_format if quantized else None
         with self.staged(self.shards) as sources:
             source_of = dict(zip(self.shards, sources)) if sources is not None else None
             self._gathers = [
                 gather_bucket(self.comms, self.pool, bucket,
-                              [source_of[s] for s in bucket.shards] if source_of is not None else None, guard=guard)
+                              [source_of[s] for s in bucket.shards] if source_of is not None else None, guard=guard,
+                              fmt=fmt)
                 for bucket in self.gather_buckets
             ]
+        self.quantized = fmt is not None
         self.state = UnitState.GATHERING
 
-    def wait_unshard(self) -> None:
-        """Make the full parameters usable, gathering now if no prefetch did."""
-        self.start_unshard()
+    def wait_unshard(self, quantized: bool = False) -> None:
+        """Make the full parameters usable, gathering now if no prefetch did (``quantized``: see ``start_unshard``;
+        a gather already issued keeps its own)."""
+        self.start_unshard(quantized)
         if self.state is not UnitState.GATHERING:
             return
         for i, (bucket, gather) in enumerate(zip(self.gather_buckets, self._gathers)):
@@ -154,10 +164,12 @@ class Unit:
         self.state = UnitState.SHARDED
 
     def refresh(self) -> None:
-        """Gather again if gathered: the shards were just updated, the full parameters are stale."""
+        """Gather again if gathered (quantized as before): the shards were just updated, the full parameters are
+        stale."""
         if self.state is not UnitState.SHARDED:
+            quantized = self.quantized
             self.reshard(keep_edits=False)
-            self.wait_unshard()
+            self.wait_unshard(quantized)
 
     def enter_backward(self, input_grad_calls: int) -> None:
         """Gathered for backward; done once ``outstanding`` empties (``input_grad_calls``: forward calls of this

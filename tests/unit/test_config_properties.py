@@ -86,6 +86,7 @@ OPTION_VALUES: dict[str, Pair] = {
     "prefetch": (st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([1.5, 2.0, True, "2", None])),
     "reshard_after_forward": _flag(),
     "verify_unit_order": _flag(),
+    "quantize_weights": _flag(),
     "buffer_pool_mb": (
         st.none() | st.floats(min_value=0, max_value=1e12) | st.integers(0, 10**6),
         st.floats(max_value=0, exclude_max=True) | st.sampled_from([INF, -INF, NAN, True, False, "25", [1]]),
@@ -130,6 +131,9 @@ def _blamed(options: dict[str, tuple[Any, bool]]) -> set[str]:
          and (value["offload_optimizer"] is None or value["offload_params"] == "disk" != value["offload_optimizer"])),
         ({"offload_params", "stage"}, value["offload_params"] is not None and value["stage"] != 3),
         ({"shard_group_size", "offload_optimizer", "offload_params"}, value["shard_group_size"] is not None
+         and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
+        ({"quantize_weights", "stage"}, value["quantize_weights"] is True and value["stage"] != 3),
+        ({"quantize_weights", "offload_optimizer", "offload_params"}, value["quantize_weights"] is True
          and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
         ({"heartbeat_s", "failure_timeout_s"}, value["failure_timeout_s"] is not None
          and not value["heartbeat_s"] < value["failure_timeout_s"]),

@@ -1,0 +1,278 @@
+"""qwZ (``quantize_weights=True``) on 4 CPU ranks over gloo as 2 nodes x 2, flat and hybrid (``shard_group_size=2``):
+the forward all-gather's bytes per step are the int8 payloads' exactly and the backward's are unchanged; a small GPT's
+losses track the unquantized run; the weights a forward computes with are, bit for bit, every rank's segment
+quantized and dequantized (blocks not filling a segment, 0-d and 1-element parameters, all-zero weights); the fp32
+masters stay exact; a NaN in a weight stops every rank with one error. One fork runs every case."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero import ZeroConfigError, ZeroStrategy
+from lightning_zero.models import GPTConfig, LanguageModel
+from lightning_zero.sharding.flat_param import ShardSpec
+from lightning_zero.sharding.quantize import BlockFormat, dequantize, quantize
+from tests.harness import run_on_ranks
+from tests.models import Recorder, make_trainer
+
+WORLD, K, NODE = 4, 2, 2
+STEPS = 60
+LR = 3e-3
+GPT = GPTConfig(vocab_size=128, n_layer=2, n_head=2, d_model=64, seq_len=32)
+INT8 = BlockFormat(bits=8)
+
+
+def _payload_bytes(numel: int) -> int:
+    """An int8 payload of ``numel`` elements, from the formula: a byte per element, 4 per block of 4096, rounded up
+    to a multiple of 4."""
+    raw = numel + 4 * -(-numel // 4096)
+    return -(-raw // 4) * 4
+
+
+def _segment(shapes, n: int) -> int:
+    return sum(ShardSpec(torch.Size(shape), 0, n).padded_numel for shape in shapes)
+
+
+class StepBytes(pl.Callback):
+    """Per step: the bytes of each kind of collective, and those sent across nodes."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+        self.cross: list[int] = []
+
+    def _now(self, trainer) -> tuple[dict[str, int], int]:
+        stats = trainer.strategy.comm_stats
+        return {op: s.bytes for op, s in stats.by_op.items()}, stats.cross_group_bytes
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self._start = self._now(trainer)
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        (end, cross), (start, cross0) = self._now(trainer), self._start
+        self.steps.append({op: end[op] - start.get(op, 0) for op in end if end[op] != start.get(op, 0)})
+        self.cross.append(cross - cross0)
+
+
+def _patterns() -> DataLoader:
+    """Learnable sequences: token ``t`` of a row is ``(a + b t) mod V``."""
+    g = torch.Generator().manual_seed(0)
+    rows, length = 256, GPT.seq_len + 1
+    a = torch.randint(0, GPT.vocab_size, (rows, 1), generator=g)
+    b = torch.randint(1, 8, (rows, 1), generator=g)
+    tokens = (a + b * torch.arange(length)) % GPT.vocab_size
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+
+
+def _gpt(quantize: bool, group: int | None, steps: int = STEPS, precision: str = "32-true") -> dict:
+    pl.seed_everything(3, verbose=False)
+    model = LanguageModel(GPT, lr=LR, warmup_steps=5)
+    log, recorder = StepBytes(), Recorder()
+    topology = {"shard_group_size": group} if group else {"node_size": NODE}
+    strategy = ZeroStrategy(3, units=("Block",), quantize_weights=quantize, **topology)
+    trainer = make_trainer(strategy, WORLD, max_steps=steps, callbacks=[log, recorder], precision=precision)
+    trainer.fit(model, train_dataloaders=_patterns())
+    blocks = [p.shape for p in model.model.blocks.parameters()]
+    root = [p.shape for name, p in model.model.named_parameters() if not name.startswith("blocks.")]
+    return {"losses": recorder.losses, "first": recorder.params[0], "bytes": log.steps, "cross": log.cross,
+            "shapes": (blocks, root)}
+
+
+# ------------------------------------------------------------------------------------------------- edge cases
+
+
+class Tiny(nn.Module):
+    """A 0-d and a 1-element parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.7))
+        self.shift = nn.Parameter(torch.tensor([-1.3]))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+class EdgeModel(pl.LightningModule):
+    """Units: ``odd`` (a 130 x 130 linear: 33 rows a rank, a segment of 4323 elements, one block of 4096 and a partial
+    one), ``tiny`` (0-d and 1-element parameters) and ``zero`` (all-zero weights)."""
+
+    def __init__(self, nan_at: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.odd, self.tiny, self.zero = nn.Linear(130, 130), Tiny(), nn.Linear(130, 130)
+        nn.init.zeros_(self.zero.weight)
+        nn.init.zeros_(self.zero.bias)
+        if nan_at is not None:
+            with torch.no_grad():
+                self.odd.weight[nan_at] = float("nan")
+        #: Per unit, the parameters as the first training forward saw them (gathered).
+        self.seen: dict[str, list[torch.Tensor]] = {}
+        for name in ("odd", "tiny", "zero"):
+            getattr(self, name).register_forward_hook(self._record(name))
+
+    def _record(self, name: str):
+        def hook(module, _args, _out):
+            if name not in self.seen:
+                self.seen[name] = [p.detach().clone() for p in module.parameters()]
+
+        return hook
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        h = self.tiny(self.odd(x))
+        return (self.zero(h) + h).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 130, generator=torch.Generator().manual_seed(0))), batch_size=4)
+
+
+def _edges(nan_at: tuple[int, int] | None = None) -> dict:
+    pl.seed_everything(5, verbose=False)
+    model = EdgeModel(nan_at)
+    initial = {name: [p.detach().clone() for p in getattr(model, name).parameters()] for name in ("odd", "tiny", "zero")}
+    strategy = ZeroStrategy(3, units=("odd", "tiny", "zero"), quantize_weights=True, node_size=NODE)
+    trainer = make_trainer(strategy, WORLD, max_steps=2)
+    try:
+        trainer.fit(model)
+    except RuntimeError as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {"initial": initial, "seen": model.seen}
+
+
+def _run_all(rank: int, world_size: int) -> dict:
+    out = {"gpt": {(q, g): _gpt(q, g) for q, g in ((False, None), (True, None), (True, K))}}
+    out["bf16"] = _gpt(True, None, steps=4, precision="bf16-mixed")
+    out["edges"] = _edges()
+    out["nan"] = _edges(nan_at=(129, 0))  # row 129: in rank 3's shard only
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_on_ranks(_run_all, WORLD)
+
+
+# -------------------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("group", [None, K], ids=["flat", "2x2"])
+def test_forward_gather_bytes_are_the_int8_payloads_and_backward_is_unchanged(ranks, group) -> None:
+    """Per steady step and rank: the forward gathers (each block once, the root once) send ``(n - 1)`` payloads of
+    ``S + 4 ceil(S / 4096)`` bytes rounded to 4, against ``(n - 1) 4 S`` unquantized; the backward's gathers and the
+    reductions move what the unquantized run moves."""
+    n = group or WORLD
+    blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
+    per_block = [p for p in blocks[: len(blocks) // GPT.n_layer]]
+    s_block, s_root = _segment(per_block, n), _segment(root, n)
+    quantized = (n - 1) * (GPT.n_layer * _payload_bytes(s_block) + _payload_bytes(s_root))
+    full_forward = (n - 1) * 4 * (GPT.n_layer * s_block + s_root)
+    backward = (n - 1) * 4 * GPT.n_layer * s_block
+    for rank, out in enumerate(ranks):
+        plain, qwz = out["gpt"][(False, None)]["bytes"][1:], out["gpt"][(True, group)]["bytes"][1:]
+        for step in qwz:
+            assert step["all_gather_quantized"] == quantized, rank
+            assert step["all_gather"] == backward, rank
+        if group is None:
+            for step, reference in zip(qwz, plain):
+                assert reference["all_gather"] == full_forward + backward
+                assert step["reduce_scatter"] == reference["reduce_scatter"]
+        if group is None:  # bf16-mixed: the same payloads (from the 16-bit working copy), half of bf16's bytes
+            for step in out["bf16"]["bytes"][1:]:
+                assert step["all_gather_quantized"] == quantized and step["all_gather"] == backward // 2, rank
+            assert all(torch.isfinite(torch.tensor(out["bf16"]["losses"])))
+        # About a quarter of fp32's bytes: 1/4 + 1/4096 per element, plus the last block's scale and the rounding.
+        assert quantized / full_forward == pytest.approx(0.25 + 1 / 4096, rel=2e-3)
+
+
+def test_cross_node_bytes_count_the_payloads(ranks) -> None:
+    """Flat at 2 nodes x 2 on gloo: a forward gather sends the payload to each of 3 peers, 2 across; so qwZ saves
+    ``2 (4 S - P)`` across per gather. Hybrid: the gathers stay inside the node, as unquantized."""
+    blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
+    per_block = blocks[: len(blocks) // GPT.n_layer]
+    saved = 2 * sum(count * (4 * s - _payload_bytes(s)) for count, s in
+                    ((GPT.n_layer, _segment(per_block, WORLD)), (1, _segment(root, WORLD))))
+    for rank, out in enumerate(ranks):
+        plain, qwz = out["gpt"][(False, None)]["cross"][1:], out["gpt"][(True, None)]["cross"][1:]
+        assert [p - q for p, q in zip(plain, qwz)] == [saved] * len(qwz), rank
+        hybrid = out["gpt"][(True, K)]["cross"][1:]
+        assert hybrid == [4 * _segment([*blocks, *root], K)] * len(hybrid), rank  # the replica all-reduce only
+
+
+@pytest.mark.parametrize("group", [None, K], ids=["flat", "2x2"])
+def test_losses_track_the_unquantized_run(ranks, group) -> None:
+    for out in ranks:
+        plain, qwz = out["gpt"][(False, None)]["losses"], out["gpt"][(True, group)]["losses"]
+        assert len(plain) == len(qwz) == STEPS
+        assert plain[-1] < 0.7 * plain[0]  # it learns
+        tail_plain, tail_qwz = sum(plain[-10:]) / 10, sum(qwz[-10:]) / 10
+        assert abs(tail_qwz - tail_plain) <= 0.02 * tail_plain
+        assert qwz[0] != plain[0]  # the first forward already ran on quantized weights
+
+
+def test_masters_after_one_step_differ_only_by_the_quantized_forward(ranks) -> None:
+    """AdamW's first step moves each weight by at most about ``lr`` (times the warmup) whatever the gradient, so the
+    gradients of the quantized forward can move the masters at most twice that far from the unquantized run's;
+    the masters hold no quantized values (they differ, finitely, from the unquantized ones)."""
+    first_lr = LR / 5  # warmup_steps=5: the first step runs at a fifth of the peak
+    for out in ranks:
+        plain, qwz = out["gpt"][(False, None)]["first"], out["gpt"][(True, None)]["first"]
+        assert torch.isfinite(qwz).all()
+        difference = (qwz - plain).abs()
+        assert 0 < difference.max() <= 2 * first_lr * 1.001
+        assert (difference > 0).float().mean() > 0.001
+
+
+def _reference_gather(params: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """Every rank's segment of ``params`` (rank-major, each parameter's rows padded), quantized and dequantized on its
+    own, then reassembled: what a quantized gather must give, with plain loops."""
+    specs = [ShardSpec(p.shape, 0, n) for p in params]
+    rows = [[] for _ in params]
+    for r in range(n):
+        pieces = []
+        for p, spec in zip(params, specs):
+            start, end = spec.owned_rows(r)
+            chunk = p.reshape(spec.rows, -1)[start:end].reshape(-1)
+            pieces.append(torch.nn.functional.pad(chunk, (0, spec.padded_numel - chunk.numel())))
+        segment = torch.cat(pieces)
+        values = dequantize(quantize(segment, INT8).payload, INT8, segment.numel())
+        offset = 0
+        for i, spec in enumerate(specs):
+            rows[i].append(values[offset : offset + ShardSpec(spec.shape, r, n).local_numel])
+            offset += spec.padded_numel
+    return [torch.cat(parts).reshape(p.shape) for parts, p in zip(rows, params)]
+
+
+def test_forward_weights_are_each_segment_quantized_and_dequantized(ranks) -> None:
+    for rank, out in enumerate(ranks):
+        edges = out["edges"]
+        for name in ("odd", "tiny", "zero"):
+            initial, seen = edges["initial"][name], edges["seen"][name]
+            for got, want in zip(seen, _reference_gather(initial, WORLD)):
+                assert torch.equal(got, want), (rank, name)
+        odd = edges["seen"]["odd"][0]
+        assert not torch.equal(odd, edges["initial"]["odd"][0])  # quantized, within half a step of its block
+        assert (odd - edges["initial"]["odd"][0]).abs().max() <= edges["initial"]["odd"][0].abs().max() / 254 * 1.001
+        assert all(not p.any() for p in edges["seen"]["zero"])  # all-zero weights gathered exactly zero
+        assert [p.shape for p in edges["seen"]["tiny"]] == [torch.Size([]), torch.Size([1])]
+
+
+def test_a_nan_weight_stops_every_rank_with_one_error(ranks) -> None:
+    for out in ranks:
+        assert out["nan"]["error"].startswith(
+            "NonFiniteWeightsError: quantize_weights=True: the shards of odd.weight hold an inf or a NaN"
+        )
+
+
+def test_quantize_weights_is_refused_where_it_cannot_work() -> None:
+    with pytest.raises(ZeroConfigError, match=r"^quantize_weights=True needs stage=3 .* got stage=2$"):
+        ZeroStrategy(2, quantize_weights=True)
+    with pytest.raises(ZeroConfigError, match=r"^quantize_weights=True with offload_optimizer='cpu' is not supported"):
+        ZeroStrategy(3, quantize_weights=True, offload_optimizer="cpu")
+    with pytest.raises(ZeroConfigError, match=r"^quantize_weights='yes' is invalid: it must be true or false$"):
+        ZeroStrategy(3, quantize_weights="yes")
