@@ -1,6 +1,6 @@
 """The only module that issues collectives (the watchdog only reads and writes the process group's store): bucket-level
-collectives and what they return in flight (``Gathered``, ``Reduced``, ``Exchanged``), byte accounting, the bucket
-buffers they run in (``BufferPool``), and the one way a bucket is gathered (``gather_bucket``).
+collectives and what they return in flight (``Gathered``, ``QuantizedGathered``, ``Reduced``, ``Exchanged``), byte
+accounting, the bucket buffers they run in (``BufferPool``), and the one way a bucket is gathered (``gather_bucket``).
 
 Every tensor handed to a collective must live on the group's device (NCCL refuses CPU tensors outright); each call
 checks that and names the caller's tensor when it does not. Buckets (``flat_param.Bucket``) are packed into their
@@ -45,7 +45,8 @@ moves it: ``(N-1)/N`` of the full buffer for a reduce-scatter or an all-gather, 
 the tensor's size for a broadcast. That is the hardware-independent figure the ZeRO paper's 2Ψ and 3Ψ refer to. The
 bytes the chosen algorithm actually puts on the wire are kept beside it as ``wire_bytes`` (twice the logical figure
 for the all-reduce that reduces CUDA tensors on gloo, the same figure otherwise), and ``cross_bytes``: what of it
-this rank sends to another node (see [Note: what crosses nodes] in topology.py).
+this rank sends to another node (see [Note: what crosses nodes] in topology.py). A quantized all-gather (qwZ) counts
+the payloads it moves, under ``"all_gather_quantized"`` (see [Note: the quantized all-gather]).
 
 [Note: hybrid sharding's collectives]
 Under hybrid sharding (topology.py, [Note: hybrid sharding]) the runtime's ``Collectives`` is over the shard group,

@@ -161,6 +161,7 @@ class Unit:
                 storage.untyped_storage().resize_(0)  # freed, also for the views autograd saved in the forward
             else:  # a NumPy array was made from it (.numpy()) and shares its memory: leave it to them
                 self._storages[i] = None
+        self.quantized = False
         self.state = UnitState.SHARDED
 
     def refresh(self) -> None:

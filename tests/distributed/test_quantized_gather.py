@@ -57,6 +57,22 @@ class StepBytes(pl.Callback):
         self.cross.append(cross - cross0)
 
 
+class ExactGather(pl.Callback):
+    """After each backward, while the root unit is still gathered quantized: ``gathered_parameters`` gives every
+    rank's rows exactly as its shards hold them (the root gathered again in full precision)."""
+
+    def __init__(self) -> None:
+        self.quantized_before: list[bool] = []
+        self.exact: list[bool] = []
+
+    def on_after_backward(self, trainer, *args) -> None:
+        runtime = trainer.strategy.runtime
+        self.quantized_before.append(runtime.parameters.root.quantized)
+        with trainer.strategy.gathered_parameters():
+            self.exact.append(all(torch.equal(s.spec.local_view(s.param.detach()).reshape(-1), s.local.reshape(-1))
+                                  for s in runtime.shards))
+
+
 def _patterns() -> DataLoader:
     """Learnable sequences: token ``t`` of a row is ``(a + b t) mod V``."""
     g = torch.Generator().manual_seed(0)
@@ -67,18 +83,20 @@ def _patterns() -> DataLoader:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
 
 
-def _gpt(quantize: bool, group: int | None, steps: int = STEPS, precision: str = "32-true") -> dict:
+def _gpt(quantize: bool, group: int | None, steps: int = STEPS, precision: str = "32-true",
+         check: bool = False) -> dict:
     pl.seed_everything(3, verbose=False)
     model = LanguageModel(GPT, lr=LR, warmup_steps=5)
-    log, recorder = StepBytes(), Recorder()
+    log, recorder, exact = StepBytes(), Recorder(), ExactGather()  # exact: its gathers would count in log's
     topology = {"shard_group_size": group} if group else {"node_size": NODE}
     strategy = ZeroStrategy(3, units=("Block",), quantize_weights=quantize, **topology)
-    trainer = make_trainer(strategy, WORLD, max_steps=steps, callbacks=[log, recorder], precision=precision)
+    trainer = make_trainer(strategy, WORLD, max_steps=steps, callbacks=[log, recorder, *([exact] if check else [])],
+                           precision=precision)
     trainer.fit(model, train_dataloaders=_patterns())
     blocks = [p.shape for p in model.model.blocks.parameters()]
     root = [p.shape for name, p in model.model.named_parameters() if not name.startswith("blocks.")]
     return {"losses": recorder.losses, "first": recorder.params[0], "bytes": log.steps, "cross": log.cross,
-            "shapes": (blocks, root)}
+            "shapes": (blocks, root), "exact": (exact.quantized_before, exact.exact)}
 
 
 # ------------------------------------------------------------------------------------------------- edge cases
@@ -135,8 +153,9 @@ class EdgeModel(pl.LightningModule):
 def _edges(nan_at: tuple[int, int] | None = None) -> dict:
     pl.seed_everything(5, verbose=False)
     model = EdgeModel(nan_at)
-    initial = {name: [p.detach().clone() for p in getattr(model, name).parameters()] for name in ("odd", "tiny", "zero")}
-    strategy = ZeroStrategy(3, units=("odd", "tiny", "zero"), quantize_weights=True, node_size=NODE)
+    names = ("odd", "tiny", "zero")
+    initial = {name: [p.detach().clone() for p in getattr(model, name).parameters()] for name in names}
+    strategy = ZeroStrategy(3, units=names, quantize_weights=True, node_size=NODE)
     trainer = make_trainer(strategy, WORLD, max_steps=2)
     try:
         trainer.fit(model)
@@ -148,6 +167,7 @@ def _edges(nan_at: tuple[int, int] | None = None) -> dict:
 def _run_all(rank: int, world_size: int) -> dict:
     out = {"gpt": {(q, g): _gpt(q, g) for q, g in ((False, None), (True, None), (True, K))}}
     out["bf16"] = _gpt(True, None, steps=4, precision="bf16-mixed")
+    out["exact"] = {q: _gpt(q, None, steps=3, check=True)["exact"] for q in (False, True)}
     out["edges"] = _edges()
     out["nan"] = _edges(nan_at=(129, 0))  # row 129: in rank 3's shard only
     return out
@@ -246,6 +266,12 @@ def _reference_gather(params: list[torch.Tensor], n: int) -> list[torch.Tensor]:
             rows[i].append(values[offset : offset + ShardSpec(spec.shape, r, n).local_numel])
             offset += spec.padded_numel
     return [torch.cat(parts).reshape(p.shape) for parts, p in zip(rows, params)]
+
+
+def test_gathered_parameters_give_the_exact_values(ranks) -> None:
+    for out in ranks:
+        assert out["exact"][True] == ([True] * 3, [True] * 3)
+        assert out["exact"][False] == ([False] * 3, [True] * 3)
 
 
 def test_forward_weights_are_each_segment_quantized_and_dequantized(ranks) -> None:
