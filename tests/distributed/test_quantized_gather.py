@@ -84,12 +84,12 @@ def _patterns() -> DataLoader:
 
 
 def _gpt(quantize: bool, group: int | None, steps: int = STEPS, precision: str = "32-true",
-         check: bool = False) -> dict:
+         check: bool = False, **options) -> dict:
     pl.seed_everything(3, verbose=False)
     model = LanguageModel(GPT, lr=LR, warmup_steps=5)
     log, recorder, exact = StepBytes(), Recorder(), ExactGather()  # exact: its gathers would count in log's
     topology = {"shard_group_size": group} if group else {"node_size": NODE}
-    strategy = ZeroStrategy(3, units=("Block",), quantize_weights=quantize, **topology)
+    strategy = ZeroStrategy(3, units=("Block",), quantize_weights=quantize, **topology, **options)
     trainer = make_trainer(strategy, WORLD, max_steps=steps, callbacks=[log, recorder, *([exact] if check else [])],
                            precision=precision)
     trainer.fit(model, train_dataloaders=_patterns())
@@ -168,6 +168,8 @@ def _run_all(rank: int, world_size: int) -> dict:
     out = {"gpt": {(q, g): _gpt(q, g) for q, g in ((False, None), (True, None), (True, K))}}
     out["bf16"] = _gpt(True, None, steps=4, precision="bf16-mixed")
     out["exact"] = {q: _gpt(q, None, steps=3, check=True)["exact"] for q in (False, True)}
+    out["options"] = {"checkpointing": _gpt(True, None, steps=4, activation_checkpointing_policy=["Block"]),
+                      "kept": _gpt(True, None, steps=4, reshard_after_forward=False)}
     out["edges"] = _edges()
     out["nan"] = _edges(nan_at=(129, 0))  # row 129: in rank 3's shard only
     return out
@@ -208,6 +210,24 @@ def test_forward_gather_bytes_are_the_int8_payloads_and_backward_is_unchanged(ra
             assert all(torch.isfinite(torch.tensor(out["bf16"]["losses"])))
         # About a quarter of fp32's bytes: 1/4 + 1/4096 per element, plus the last block's scale and the rounding.
         assert quantized / full_forward == pytest.approx(0.25 + 1 / 4096, rel=2e-3)
+
+
+def test_with_activation_checkpointing_and_without_resharding_after_forward(ranks) -> None:
+    """Activation checkpointing recomputes each block inside the backward's full-precision gather (no gather more,
+    the same first loss); ``reshard_after_forward=False`` keeps the quantized blocks for the backward (no backward
+    gather at all)."""
+    blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
+    per_block = blocks[: len(blocks) // GPT.n_layer]
+    s_block, s_root = _segment(per_block, WORLD), _segment(root, WORLD)
+    quantized = (WORLD - 1) * (GPT.n_layer * _payload_bytes(s_block) + _payload_bytes(s_root))
+    for out in ranks:
+        default, checkpointing, kept = out["gpt"][(True, None)], out["options"]["checkpointing"], out["options"]["kept"]
+        assert checkpointing["losses"][0] == pytest.approx(default["losses"][0], rel=1e-6)
+        assert checkpointing["bytes"][1:] == default["bytes"][1:4]
+        assert kept["losses"][0] == pytest.approx(default["losses"][0], rel=1e-6)
+        for step in kept["bytes"][1:]:
+            assert step["all_gather_quantized"] == quantized and "all_gather" not in step
+        assert all(torch.isfinite(torch.tensor(run["losses"])).all() for run in (checkpointing, kept))
 
 
 def test_cross_node_bytes_count_the_payloads(ranks) -> None:
