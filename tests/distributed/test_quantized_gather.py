@@ -37,6 +37,11 @@ def _segment(shapes, n: int) -> int:
     return sum(ShardSpec(torch.Size(shape), 0, n).padded_numel for shape in shapes)
 
 
+def _quantized(shapes, n: int) -> int:
+    """The payload of one rank's segment of these parameters: blocks restart at each parameter's padded chunk."""
+    return sum(_payload_bytes(ShardSpec(torch.Size(shape), 0, n).padded_numel) for shape in shapes)
+
+
 class StepBytes(pl.Callback):
     """Per step: the bytes of each kind of collective, and those sent across nodes."""
 
@@ -84,8 +89,8 @@ def _patterns() -> DataLoader:
 
 
 def _gpt(quantize: bool, group: int | None, steps: int = STEPS, precision: str = "32-true",
-         check: bool = False, **options) -> dict:
-    pl.seed_everything(3, verbose=False)
+         check: bool = False, seed: int = 3, **options) -> dict:
+    pl.seed_everything(seed, verbose=False)
     model = LanguageModel(GPT, lr=LR, warmup_steps=5)
     log, recorder, exact = StepBytes(), Recorder(), ExactGather()  # exact: its gathers would count in log's
     topology = {"shard_group_size": group} if group else {"node_size": NODE}
@@ -115,8 +120,8 @@ class Tiny(nn.Module):
 
 
 class EdgeModel(pl.LightningModule):
-    """Units: ``odd`` (a 130 x 130 linear: 33 rows a rank, a segment of 4323 elements, one block of 4096 and a partial
-    one), ``tiny`` (0-d and 1-element parameters) and ``zero`` (all-zero weights)."""
+    """Units: ``odd`` (a 130 x 130 linear: 33 rows a rank, 4290 elements of weight, a block of 4096 and a partial
+    one, the last rank's rows padded), ``tiny`` (0-d and 1-element parameters) and ``zero`` (all-zero weights)."""
 
     def __init__(self, nan_at: tuple[int, int] | None = None) -> None:
         super().__init__()
@@ -185,14 +190,15 @@ def ranks() -> list[dict]:
 
 @pytest.mark.parametrize("group", [None, K], ids=["flat", "2x2"])
 def test_forward_gather_bytes_are_the_int8_payloads_and_backward_is_unchanged(ranks, group) -> None:
-    """Per steady step and rank: the forward gathers (each block once, the root once) send ``(n - 1)`` payloads of
-    ``S + 4 ceil(S / 4096)`` bytes rounded to 4, against ``(n - 1) 4 S`` unquantized; the backward's gathers and the
-    reductions move what the unquantized run moves."""
+    """Per steady step and rank: the forward gathers (each block once, the root once) send ``(n - 1)`` payloads, each
+    the sum over the unit's parameters of ``S_p + 4 ceil(S_p / 4096)`` bytes rounded to 4 (``S_p``: a parameter's
+    padded rows of one rank), against ``(n - 1) 4 sum S_p`` unquantized; the backward's gathers and the reductions
+    move what the unquantized run moves."""
     n = group or WORLD
     blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
     per_block = [p for p in blocks[: len(blocks) // GPT.n_layer]]
     s_block, s_root = _segment(per_block, n), _segment(root, n)
-    quantized = (n - 1) * (GPT.n_layer * _payload_bytes(s_block) + _payload_bytes(s_root))
+    quantized = (n - 1) * (GPT.n_layer * _quantized(per_block, n) + _quantized(root, n))
     full_forward = (n - 1) * 4 * (GPT.n_layer * s_block + s_root)
     backward = (n - 1) * 4 * GPT.n_layer * s_block
     for rank, out in enumerate(ranks):
@@ -208,8 +214,8 @@ def test_forward_gather_bytes_are_the_int8_payloads_and_backward_is_unchanged(ra
             for step in out["bf16"]["bytes"][1:]:
                 assert step["all_gather_quantized"] == quantized and step["all_gather"] == backward // 2, rank
             assert all(torch.isfinite(torch.tensor(out["bf16"]["losses"])))
-        # About a quarter of fp32's bytes: 1/4 + 1/4096 per element, plus the last block's scale and the rounding.
-        assert quantized / full_forward == pytest.approx(0.25 + 1 / 4096, rel=2e-3)
+        # About a quarter of fp32's bytes: 1/4 + 1/4096 per element, plus each parameter's last scale and rounding.
+        assert 0.25 < quantized / full_forward < 0.26
 
 
 def test_with_activation_checkpointing_and_without_resharding_after_forward(ranks) -> None:
@@ -219,7 +225,7 @@ def test_with_activation_checkpointing_and_without_resharding_after_forward(rank
     blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
     per_block = blocks[: len(blocks) // GPT.n_layer]
     s_block, s_root = _segment(per_block, WORLD), _segment(root, WORLD)
-    quantized = (WORLD - 1) * (GPT.n_layer * _payload_bytes(s_block) + _payload_bytes(s_root))
+    quantized = (WORLD - 1) * (GPT.n_layer * _quantized(per_block, WORLD) + _quantized(root, WORLD))
     for out in ranks:
         default, checkpointing, kept = out["gpt"][(True, None)], out["options"]["checkpointing"], out["options"]["kept"]
         assert checkpointing["losses"][0] == pytest.approx(default["losses"][0], rel=1e-6)
@@ -235,8 +241,8 @@ def test_cross_node_bytes_count_the_payloads(ranks) -> None:
     ``2 (4 S - P)`` across per gather. Hybrid: the gathers stay inside the node, as unquantized."""
     blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
     per_block = blocks[: len(blocks) // GPT.n_layer]
-    saved = 2 * sum(count * (4 * s - _payload_bytes(s)) for count, s in
-                    ((GPT.n_layer, _segment(per_block, WORLD)), (1, _segment(root, WORLD))))
+    saved = 2 * sum(count * (4 * _segment(shapes, WORLD) - _quantized(shapes, WORLD)) for count, shapes in
+                    ((GPT.n_layer, per_block), (1, root)))
     for rank, out in enumerate(ranks):
         plain, qwz = out["gpt"][(False, None)]["cross"][1:], out["gpt"][(True, None)]["cross"][1:]
         assert [p - q for p, q in zip(plain, qwz)] == [saved] * len(qwz), rank
@@ -269,23 +275,18 @@ def test_masters_after_one_step_differ_only_by_the_quantized_forward(ranks) -> N
 
 
 def _reference_gather(params: list[torch.Tensor], n: int) -> list[torch.Tensor]:
-    """Every rank's segment of ``params`` (rank-major, each parameter's rows padded), quantized and dequantized on its
-    own, then reassembled: what a quantized gather must give, with plain loops."""
-    specs = [ShardSpec(p.shape, 0, n) for p in params]
-    rows = [[] for _ in params]
-    for r in range(n):
-        pieces = []
-        for p, spec in zip(params, specs):
+    """Each rank's rows of each parameter, padded to the rows of rank 0, quantized and dequantized on their own, then
+    reassembled: what a quantized gather must give, with plain loops."""
+    gathered = []
+    for p in params:
+        spec, parts = ShardSpec(p.shape, 0, n), []
+        for r in range(n):
             start, end = spec.owned_rows(r)
             chunk = p.reshape(spec.rows, -1)[start:end].reshape(-1)
-            pieces.append(torch.nn.functional.pad(chunk, (0, spec.padded_numel - chunk.numel())))
-        segment = torch.cat(pieces)
-        values = dequantize(quantize(segment, INT8).payload, INT8, segment.numel())
-        offset = 0
-        for i, spec in enumerate(specs):
-            rows[i].append(values[offset : offset + ShardSpec(spec.shape, r, n).local_numel])
-            offset += spec.padded_numel
-    return [torch.cat(parts).reshape(p.shape) for parts, p in zip(rows, params)]
+            padded = torch.nn.functional.pad(chunk, (0, spec.padded_numel - chunk.numel()))
+            parts.append(dequantize(quantize(padded, INT8).payload, INT8, padded.numel())[: chunk.numel()])
+        gathered.append(torch.cat(parts).reshape(p.shape))
+    return gathered
 
 
 def test_gathered_parameters_give_the_exact_values(ranks) -> None:
@@ -322,3 +323,23 @@ def test_quantize_weights_is_refused_where_it_cannot_work() -> None:
         ZeroStrategy(3, quantize_weights=True, offload_optimizer="cpu")
     with pytest.raises(ZeroConfigError, match=r"^quantize_weights='yes' is invalid: it must be true or false$"):
         ZeroStrategy(3, quantize_weights="yes")
+
+
+# ---------------------------------------------------------------------------------------------- 300 steps (slow)
+
+
+def _long(rank: int, world_size: int) -> dict:
+    return {(seed, q): _gpt(q, None, steps=300, seed=seed)["losses"] for seed in (3, 4) for q in (False, True)}
+
+
+@pytest.mark.slow
+def test_over_300_steps_within_one_percent_and_the_spread_of_two_seeds() -> None:
+    """Issue 28's bar for qwZ: the mean loss of the last 50 of 300 steps within 1% of the unquantized run's and within
+    twice the spread of two seeds of it. Measured: +0.11% (seed 3) and +0.23% (seed 4), the seeds 0.092 apart (about
+    11%: this GPT is small and its loss near 0.85)."""
+    losses = run_on_ranks(_long, WORLD, timeout_s=1200)[0]
+    tail = {key: sum(values[-50:]) / 50 for key, values in losses.items()}
+    spread = abs(tail[(3, False)] - tail[(4, False)])
+    for seed in (3, 4):
+        difference = abs(tail[(seed, True)] - tail[(seed, False)])
+        assert difference <= 0.01 * tail[(seed, False)] and difference <= 2 * spread, seed
