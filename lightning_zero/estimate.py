@@ -55,7 +55,9 @@ Setup adds to the eager model what it allocates: DDP its gradient buckets, stage
 unit, offload the fp32 masters. Memory freed after a step stays with the process (glibc's heap on a CPU, the
 caching allocator on CUDA), so a checkpoint save and the teardown start from the step's peak; stage 3's teardown
 gathers the full model back into the module (4Ψ; with parameter shards on disk into memory-mapped files, whose pages
-are not held). A resumed job peaks at the larger of its setup and its step.
+are not held). On a CPU device stage 3 and the offloads hand freed blocks back at once ([Note: glibc's heap and a
+memory limit]), so their teardown holds the states, the full model and the gathers that rebuild it. A resumed job
+peaks at the larger of its setup and its step.
 """
 
 from __future__ import annotations
@@ -464,13 +466,19 @@ def peak_estimate(
     # the end of fit gives stage 3's module its full parameters: in memory, or memory-mapped files with parameter
     # shards on disk (DiskOffload.full_parameter), whose pages are not held
     full_model = num_params * measure.element_bytes if layout.stage == 3 and layout.offload_params != "disk" else 0
+    if shared_host and (layout.stage == 3 or layout.offload_optimizer is not None):
+        # on a CPU device these modes hand freed blocks back at once (memory.return_large_blocks_at_once): the end of
+        # fit holds the states, the full model and the gathers that rebuild it, not the step's transients
+        teardown = t["baseline"] + t["states"] + full_model + t["units"] + t["buckets"]
+    else:
+        teardown = step + full_model
     phases = {
         "import_build": t["baseline"] + t["eager"],
         "setup": setup,
         "first_step": step,
         "steady_step": step,
         "checkpoint_save": step,
-        "teardown": step + full_model,
+        "teardown": teardown,
         "load_resume": max(setup, step),
     }
     return PeakEstimate(e, phases, terms, shared_host)

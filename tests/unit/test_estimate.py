@@ -254,8 +254,13 @@ def test_peak_of_a_zero3_step_adds_units_activations_and_the_adam_workspace():
     assert p.phases["first_step"] == p.phases["steady_step"] == step
     assert p.phases["import_build"] == 300 * MIB + 4 * N_PARAMS  # the eager model
     assert p.phases["setup"] == 300 * MIB + 4 * N_PARAMS + 4 * N_PARAMS // 2 + 4 * 1_000_000  # + the shards and one unit
-    assert p.phases["teardown"] == step + 4 * N_PARAMS  # the full model gathered back into the module
-    assert p.peak == step + 4 * N_PARAMS and p.peak_phase == "teardown"
+    # the full model gathered back into the module; on a CPU device the step's transients were handed back
+    teardown = 300 * MIB + 16 * N_PARAMS // 2 + 4 * N_PARAMS + units + MIB
+    assert p.phases["teardown"] == teardown
+    assert p.peak == max(step, teardown)
+    # on CUDA the caching allocator keeps the step's blocks: the teardown adds the full model to the step's peak
+    on_gpu = peak_estimate("zero3", N_PARAMS, 2, STEP, batch=3, bucket_mb=1.0, shared_host=False)
+    assert on_gpu.phases["teardown"] == on_gpu.phases["steady_step"] + 4 * N_PARAMS
 
 
 def test_peak_of_ddp_counts_its_gradient_buckets_at_setup_and_a_full_workspace():
