@@ -524,6 +524,26 @@ def communication_bytes(
     return elements * element_bytes * (ranks - 1) // ranks
 
 
+def hybrid_communication_bytes(
+    option: str, num_params: int, ranks: int, shard_group_size: int, element_bytes: int,
+    trainable_params: int | None = None,
+) -> tuple[int, int]:
+    """Ring-equivalent bytes one rank moves per optimizer step under hybrid sharding, ``(inside its shard group,
+    to the other groups)`` (see [Note: hybrid sharding] in sharding/topology.py): inside, the stage's collectives over
+    the ``K = shard_group_size`` ranks of its group (``communication_bytes`` at ``K`` ranks); across, the all-reduce of
+    its gradient shard over the ``R = N / K`` replicas, ``2 (Ψ_t / K)(R - 1)/R`` elements. With one group per node the
+    second is all that crosses nodes."""
+    _check_choice("option", option, tuple(o for o in IN_DEVICE_OPTIONS if LAYOUTS[o].stage >= 1))
+    trainable = _check_counts(num_params, ranks, trainable_params)
+    if shard_group_size < 1 or ranks % shard_group_size:
+        raise EstimateError(
+            f"shard_group_size={shard_group_size} is invalid for {ranks} ranks: it must divide the number of ranks"
+        )
+    inside = communication_bytes(option, num_params, shard_group_size, element_bytes, trainable_params)
+    replicas = ranks // shard_group_size
+    return inside, 2 * trainable * element_bytes * (replicas - 1) // (shard_group_size * replicas)
+
+
 def parse_count(text: str) -> int:
     """``"125M"``, ``"1.3B"``, ``"7e9"`` or ``"350000"`` -> a parameter count."""
     suffixes = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -546,6 +566,12 @@ def format_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def working_bytes(precision: str) -> int:
+    """Bytes of a working parameter (and of what the collectives move) at ``precision``."""
+    _check_choice("precision", precision, PRECISIONS)
+    return _bytes_per_element(precision)[0]
 
 
 def _bytes_per_element(precision: str) -> tuple[int, int, int]:

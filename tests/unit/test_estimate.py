@@ -299,3 +299,17 @@ def test_recommend_from_the_measured_peak_shards_more_than_from_the_model_states
     assert chosen.choice == "zero2"
     e = next(e for e in chosen.estimates if e.option == "zero2")
     assert e.device + e.host_total == peak_estimate("zero2", N_PARAMS, 2, STEP, 2, bucket_mb=1.0).peak
+
+
+def test_hybrid_communication_spans_flat_sharding_and_ddp():
+    from lightning_zero.estimate import communication_bytes, hybrid_communication_bytes
+
+    psi = 1_000_000
+    # one group of every rank: flat ZeRO, nothing across groups
+    assert hybrid_communication_bytes("zero3", psi, 8, 8, 2) == (communication_bytes("zero3", psi, 8, 2), 0)
+    # groups of one: nothing to shard, and the all-reduce across the 8 replicas is DDP's
+    assert hybrid_communication_bytes("zero2", psi, 8, 1, 2) == (0, communication_bytes("ddp", psi, 8, 2))
+    # 2 nodes x 4: a rank all-reduces its quarter of the gradients with its one peer on the other node
+    assert hybrid_communication_bytes("zero1", psi, 8, 4, 2)[1] == 2 * (psi // 4) * 2 // 2
+    with pytest.raises(EstimateError, match="shard_group_size=3 is invalid for 8 ranks"):
+        hybrid_communication_bytes("zero3", psi, 8, 3, 2)
