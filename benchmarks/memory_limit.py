@@ -51,13 +51,16 @@ BATCH = 4
 STEPS = 3
 SUBGROUP_MB = 16
 RESIDENT_SUBGROUPS = 2
-#: name: (strategy, build, limit in GiB or None for the machine's whole memory), in the order they run.
+#: name: (strategy, build, limit in GiB or None for the machine's whole memory[, "loop"]), in the order they run;
+#: "loop": AdamW(foreach=False), torch's single-tensor loop, which DDP runs on CPU tensors by default, where offload
+#: otherwise steps with the fused CPU kernel (one ulp apart on a few elements: see HostOffload.use_fused_kernels).
 RUNS = {
     "ddp": ("ddp", "eager", None),
     "disk-cm-2.5": ("zero3_offload_disk", "configure_model", 2.5),
     "disk-cm": ("zero3_offload_disk", "configure_model", None),
     "disk-eager-4.0": ("zero3_offload_disk", "eager", 4.0),
     "disk-eager": ("zero3_offload_disk", "eager", None),
+    "disk-eager-4.0-loop": ("zero3_offload_disk", "eager", 4.0, "loop"),
     "zero3-cm-2.5": ("zero3", "configure_model", 2.5),
     "zero3-cm": ("zero3", "configure_model", None),
     "zero3-eager-4.0": ("zero3", "eager", 4.0),
@@ -117,10 +120,10 @@ def run_limited(name: str, model: dict, args) -> dict:
     the machine's whole memory."""
     from tests.memlimit import run_limited as limited
 
-    strategy, build, limit = RUNS[name]
+    strategy, build, limit, *loop = RUNS[name]
     offload_dir = os.path.join(args.workdir, name)
     os.makedirs(offload_dir, exist_ok=True)
-    job = dict(strategy=strategy, build=build, offload_dir=offload_dir, model=model)
+    job = dict(strategy=strategy, build=build, offload_dir=offload_dir, model=model, loop=bool(loop))
     command = [sys.executable, os.path.abspath(__file__), "--job", json.dumps(job)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PL_")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -129,7 +132,7 @@ def run_limited(name: str, model: dict, args) -> dict:
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     ranks = {r["rank"]: r for r in records if r.get("kind") == "rank"}
     progress = [r for r in records if r.get("kind") == "progress"]
-    run = dict(strategy=strategy, build=build, limit_gib=limit, code=done.returncode, oom_killed=done.oom_killed,
+    run = dict(strategy=strategy, build=build, limit_gib=limit, loop=bool(loop), code=done.returncode, oom_killed=done.oom_killed,
                wall_s=round(time.time() - started, 1), job_peak=done.peak_bytes,
                ranks=[ranks[r] for r in sorted(ranks)], reached=progress[-1]["where"] if progress else "start")
     if done.returncode != 0:
@@ -186,6 +189,16 @@ def run_job(job: dict) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = EagerLanguageModel() if job["build"] == "eager" else LanguageModel(config, lr=1e-4, warmup_steps=0)
+    if job.get("loop"):
+        configure = model.configure_optimizers
+
+        def single_tensor_loop() -> dict:
+            chosen = configure()
+            for group in [chosen["optimizer"].defaults, *chosen["optimizer"].param_groups]:
+                group["foreach"] = False
+            return chosen
+
+        model.configure_optimizers = single_tensor_loop
     tokens = torch.randint(0, config.vocab_size, (BATCH * 2 * STEPS, config.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH)
@@ -222,7 +235,8 @@ def render(results: dict) -> str:
     runs = results["runs"]
     reference = runs.get("ddp")
     ddp_losses = _losses(reference) if reference and reference["code"] == 0 else None
-    unlimited = {(r["strategy"], r["build"]): r for r in runs.values() if r["limit_gib"] is None and r["code"] == 0}
+    unlimited = {(r["strategy"], r["build"]): r for r in runs.values()
+                 if r["limit_gib"] is None and r["code"] == 0 and not r.get("loop")}
     m = results["model"]
     lines = [
         f"GPTConfig(vocab_size={m['vocab_size']}, n_layer={m['n_layer']}, n_head={m['n_head']}, "
@@ -241,16 +255,20 @@ def render(results: dict) -> str:
         if run["code"] != 0:
             outcome = ("killed by the limit" if run["oom_killed"] else f"failed (exit {run['code']})") + \
                 f", reached: {run['reached']}"
-            lines.append(f"| {run['strategy']} | {run['build']} | {limit} | {outcome} | "
+            lines.append(f"| {_label(run)} | {run['build']} | {limit} | {outcome} | "
                          f"{_gib(run['job_peak'])} | - | - | - | - |")
             continue
         ranks = ", ".join(_gib(r["peak"]) for r in run["ranks"])
         step = _steady_step(run)
         base = unlimited.get((run["strategy"], run["build"]))
         against = "-" if run["limit_gib"] is None or base is None else f"{step / _steady_step(base):.2f}x"
-        lines.append(f"| {run['strategy']} | {run['build']} | {limit} | trained | {_gib(run['job_peak'])} | {ranks} | "
+        lines.append(f"| {_label(run)} | {run['build']} | {limit} | trained | {_gib(run['job_peak'])} | {ranks} | "
                      f"{_compare_losses(_losses(run), ddp_losses, name == 'ddp')} | {step:.1f} | {against} |")
     return "\n".join(lines) + "\n"
+
+
+def _label(run: dict) -> str:
+    return run["strategy"] + (", AdamW(foreach=False)" if run.get("loop") else "")
 
 
 def _losses(run: dict) -> list[list[float]]:

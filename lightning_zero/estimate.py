@@ -55,7 +55,9 @@ Setup adds to the eager model what it allocates: DDP its gradient buckets, stage
 unit, offload the fp32 masters. Memory freed after a step stays with the process (glibc's heap on a CPU, the
 caching allocator on CUDA), so a checkpoint save and the teardown start from the step's peak; stage 3's teardown
 gathers the full model back into the module (4Ψ; with parameter shards on disk into memory-mapped files, whose pages
-are not held). A resumed job peaks at the larger of its setup and its step.
+are not held). On a CPU device stage 3 and the offloads hand freed blocks back at once ([Note: glibc's heap and a
+memory limit]), so their teardown holds the states, the full model and the gathers that rebuild it. A resumed job
+peaks at the larger of its setup and its step.
 """
 
 from __future__ import annotations
@@ -464,13 +466,19 @@ def peak_estimate(
     # the end of fit gives stage 3's module its full parameters: in memory, or memory-mapped files with parameter
     # shards on disk (DiskOffload.full_parameter), whose pages are not held
     full_model = num_params * measure.element_bytes if layout.stage == 3 and layout.offload_params != "disk" else 0
+    if shared_host and (layout.stage == 3 or layout.offload_optimizer is not None):
+        # on a CPU device these modes hand freed blocks back at once (memory.return_large_blocks_at_once): the end of
+        # fit holds the states, the full model and the gathers that rebuild it, not the step's transients
+        teardown = t["baseline"] + t["states"] + full_model + t["units"] + t["buckets"]
+    else:
+        teardown = step + full_model
     phases = {
         "import_build": t["baseline"] + t["eager"],
         "setup": setup,
         "first_step": step,
         "steady_step": step,
         "checkpoint_save": step,
-        "teardown": step + full_model,
+        "teardown": teardown,
         "load_resume": max(setup, step),
     }
     return PeakEstimate(e, phases, terms, shared_host)
@@ -516,6 +524,26 @@ def communication_bytes(
     return elements * element_bytes * (ranks - 1) // ranks
 
 
+def hybrid_communication_bytes(
+    option: str, num_params: int, ranks: int, shard_group_size: int, element_bytes: int,
+    trainable_params: int | None = None,
+) -> tuple[int, int]:
+    """Ring-equivalent bytes one rank moves per optimizer step under hybrid sharding, ``(inside its shard group,
+    to the other groups)`` (see [Note: hybrid sharding] in sharding/topology.py): inside, the stage's collectives over
+    the ``K = shard_group_size`` ranks of its group (``communication_bytes`` at ``K`` ranks); across, the all-reduce of
+    its gradient shard over the ``R = N / K`` replicas, ``2 (Ψ_t / K)(R - 1)/R`` elements. With one group per node the
+    second is all that crosses nodes."""
+    _check_choice("option", option, tuple(o for o in IN_DEVICE_OPTIONS if LAYOUTS[o].stage >= 1))
+    trainable = _check_counts(num_params, ranks, trainable_params)
+    if shard_group_size < 1 or ranks % shard_group_size:
+        raise EstimateError(
+            f"shard_group_size={shard_group_size} is invalid for {ranks} ranks: it must divide the number of ranks"
+        )
+    inside = communication_bytes(option, num_params, shard_group_size, element_bytes, trainable_params)
+    replicas = ranks // shard_group_size
+    return inside, 2 * trainable * element_bytes * (replicas - 1) // (shard_group_size * replicas)
+
+
 def parse_count(text: str) -> int:
     """``"125M"``, ``"1.3B"``, ``"7e9"`` or ``"350000"`` -> a parameter count."""
     suffixes = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -538,6 +566,12 @@ def format_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def working_bytes(precision: str) -> int:
+    """Bytes of a working parameter (and of what the collectives move) at ``precision``."""
+    _check_choice("precision", precision, PRECISIONS)
+    return _bytes_per_element(precision)[0]
 
 
 def _bytes_per_element(precision: str) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -140,7 +141,7 @@ def return_large_blocks_at_once() -> bool:
 
 _MADV_DONTNEED = 4  # unmap these pages from this process (a file mapping's: read again from the file if touched)
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now, page cache included, where the kernel can
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 
 
 def release_pages(tensor: torch.Tensor) -> None:

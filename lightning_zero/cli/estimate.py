@@ -57,6 +57,12 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one host (default: --ranks)")
     parser.add_argument("--no-offload", action="store_true", help="consider only the options without offload")
     parser.add_argument(
+        "--shard-group-size", type=int, default=None, help="hybrid sharding (ZeroStrategy(shard_group_size=K)): the "
+        "model states are sharded over groups of K ranks and replicated across the groups; the table is per rank of "
+        "such a group, and the communication per rank is split into inside its group and across groups (offload "
+        "options are left out: hybrid sharding refuses them)"
+    )
+    parser.add_argument(
         "--measure",
         action="store_true",
         help="with --model or --recipe: run one real step of the model on a tiny batch (in a fresh process, on this "
@@ -78,10 +84,18 @@ def estimate_command(args: argparse.Namespace) -> int:
     total, trainable, what = _estimate_size(args)
     ranks = args.ranks if args.ranks is not None else _default_ranks()
     peak = _measured_step(args) if args.measure else None
+    world, group = ranks, args.shard_group_size
+    if group is not None:
+        if group < 1 or ranks % group:
+            raise UsageError(f"--shard-group-size={group} is invalid for --ranks={ranks}: it must divide the number of "
+                             "ranks")
+        ranks = group  # the model states are sharded over one group
     try:
         if args.trainable is not None:
             trainable = estimate.parse_count(args.trainable)
-        options = estimate.IN_DEVICE_OPTIONS if args.no_offload else estimate.OPTIONS
+        options = estimate.IN_DEVICE_OPTIONS if args.no_offload or group is not None else estimate.OPTIONS
+        if group is not None:
+            options = tuple(o for o in options if estimate.LAYOUTS[o].stage >= 1)
         budget = _rank_budget(args, ranks)
         estimates = estimate.estimate_all(total, ranks, args.precision, args.bucket_mb, trainable, options)
         recommendation = (
@@ -98,6 +112,8 @@ def estimate_command(args: argparse.Namespace) -> int:
     except estimate.EstimateError as err:
         raise UsageError(str(err)) from None
     print(format_table(what, total, trainable, ranks, args.precision, estimates, budget))
+    if group is not None:
+        print("\n" + format_hybrid(total, trainable, world, group, args.precision, options))
     if peaks is not None:
         print("\n" + format_peaks(peaks, peak))
     if recommendation is None:
@@ -140,6 +156,18 @@ def _measured_step(args: argparse.Namespace) -> estimate.PeakInputs:
     units = tuple(cfg.strategy.get("units", ()) or ())
     measure = measure_step(model_config, vocab, int(cfg.seq_len), "cuda:0" if _on_cuda() else "cpu", units)
     return estimate.PeakInputs(measure, batch, args.eager)
+
+
+def format_hybrid(total: int, trainable: int, world: int, group: int, precision: str, options: tuple[str, ...]) -> str:
+    """Per option, the bytes one rank moves per step inside its shard group and across groups."""
+    element = estimate.working_bytes(precision)
+    lines = [f"hybrid sharding: {world // group} groups of {group} ranks (the table above is per rank of a group); "
+             "communication per rank and step (ring-equivalent; with one group per node, 'across groups' is what "
+             "crosses nodes):", "", f"{'option':<22}{'inside its group':>18}{'across groups':>16}"]
+    for option in options:
+        inside, across = estimate.hybrid_communication_bytes(option, total, world, group, element, trainable)
+        lines.append(f"{option:<22}{estimate.format_bytes(inside):>18}{estimate.format_bytes(across):>16}")
+    return "\n".join(lines)
 
 
 def format_peaks(peaks: list, inputs: estimate.PeakInputs) -> str:

@@ -337,6 +337,23 @@ def test_estimate_from_a_model_config(capfd):
     assert "recommendation: ddp:" in out
 
 
+def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
+    psi = GPTConfig().num_parameters
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "2"]) == 0
+    out = capfd.readouterr().out
+    assert out.startswith(f"model gpt_small ({psi:,} parameters), 2 ranks")  # the states of one group of 2
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("zero")}
+    assert set(rows) == {"zero1", "zero2", "zero3"}  # no offload: hybrid sharding refuses it
+    # inside a group of 2: reduce-scatter + all-gather (zero1/2), and a second all-gather (zero3), half of it each;
+    # across the 2 groups: the all-reduce of a rank's half of the gradients, half of it (a ring of 2)
+    fmt = lambda n: " ".join(estimate.format_bytes(n).split())
+    for option, inside in (("zero1", 2 * psi // 2), ("zero3", 3 * psi // 2)):
+        line = " ".join(rows[option])
+        assert line.endswith(f"{fmt(inside * 4)} {fmt(psi // 2 * 4)}"), (option, line)
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "3"]) == 2
+    assert "--shard-group-size=3 is invalid for --ranks=4: it must divide the number of ranks" in capfd.readouterr().err
+
+
 def test_estimate_says_when_nothing_fits(capfd):
     args = ["--params", "70B", "--ranks", "8", "--precision", "bf16-mixed", "--budget-gb", "80", "--no-offload"]
     assert main(["estimate", *args]) == 0

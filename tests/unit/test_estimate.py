@@ -254,8 +254,13 @@ def test_peak_of_a_zero3_step_adds_units_activations_and_the_adam_workspace():
     assert p.phases["first_step"] == p.phases["steady_step"] == step
     assert p.phases["import_build"] == 300 * MIB + 4 * N_PARAMS  # the eager model
     assert p.phases["setup"] == 300 * MIB + 4 * N_PARAMS + 4 * N_PARAMS // 2 + 4 * 1_000_000  # + the shards and one unit
-    assert p.phases["teardown"] == step + 4 * N_PARAMS  # the full model gathered back into the module
-    assert p.peak == step + 4 * N_PARAMS and p.peak_phase == "teardown"
+    # the full model gathered back into the module; on a CPU device the step's transients were handed back
+    teardown = 300 * MIB + 16 * N_PARAMS // 2 + 4 * N_PARAMS + units + MIB
+    assert p.phases["teardown"] == teardown
+    assert p.peak == max(step, teardown)
+    # on CUDA the caching allocator keeps the step's blocks: the teardown adds the full model to the step's peak
+    on_gpu = peak_estimate("zero3", N_PARAMS, 2, STEP, batch=3, bucket_mb=1.0, shared_host=False)
+    assert on_gpu.phases["teardown"] == on_gpu.phases["steady_step"] + 4 * N_PARAMS
 
 
 def test_peak_of_ddp_counts_its_gradient_buckets_at_setup_and_a_full_workspace():
@@ -294,3 +299,17 @@ def test_recommend_from_the_measured_peak_shards_more_than_from_the_model_states
     assert chosen.choice == "zero2"
     e = next(e for e in chosen.estimates if e.option == "zero2")
     assert e.device + e.host_total == peak_estimate("zero2", N_PARAMS, 2, STEP, 2, bucket_mb=1.0).peak
+
+
+def test_hybrid_communication_spans_flat_sharding_and_ddp():
+    from lightning_zero.estimate import communication_bytes, hybrid_communication_bytes
+
+    psi = 1_000_000
+    # one group of every rank: flat ZeRO, nothing across groups
+    assert hybrid_communication_bytes("zero3", psi, 8, 8, 2) == (communication_bytes("zero3", psi, 8, 2), 0)
+    # groups of one: nothing to shard, and the all-reduce across the 8 replicas is DDP's
+    assert hybrid_communication_bytes("zero2", psi, 8, 1, 2) == (0, communication_bytes("ddp", psi, 8, 2))
+    # 2 nodes x 4: a rank all-reduces its quarter of the gradients with its one peer on the other node
+    assert hybrid_communication_bytes("zero1", psi, 8, 4, 2)[1] == 2 * (psi // 4) * 2 // 2
+    with pytest.raises(EstimateError, match="shard_group_size=3 is invalid for 8 ranks"):
+        hybrid_communication_bytes("zero3", psi, 8, 3, 2)

@@ -187,3 +187,15 @@ def test_host_rows_a_gather_is_copying_are_not_rewritten_before_that_copy_ran() 
     for got, want, shard in zip(packed, old, shards):
         assert torch.equal(got, want)  # the gather saw the rows it was issued for
         assert torch.equal(shard.working, shard.local)  # and the rows hold the update afterwards
+
+
+def test_the_host_step_is_fused_unless_the_optimizer_names_its_implementation() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    default = torch.optim.AdamW(params)
+    HostOffload.use_fused_kernels(default)
+    assert default.param_groups[0]["fused"] is True and default.param_groups[0]["foreach"] is False
+    for chosen in (dict(foreach=False), dict(foreach=True), dict(fused=False)):
+        optimizer = torch.optim.AdamW(params, **chosen)
+        before = dict(optimizer.param_groups[0])
+        HostOffload.use_fused_kernels(optimizer)
+        assert optimizer.param_groups[0] == before, chosen  # foreach=False keeps DDP's single-tensor loop
