@@ -66,6 +66,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lightning_zero import config
+from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE
 from lightning_zero.step_measure import StepMeasure
 
 
@@ -509,24 +510,29 @@ def _staging(e: MemoryEstimate, layout: Layout, working: int, elements: int) -> 
 
 
 def communication_bytes(
-    option: str, num_params: int, ranks: int, element_bytes: int, trainable_params: int | None = None
+    option: str, num_params: int, ranks: int, element_bytes: int, trainable_params: int | None = None,
+    quantize_weights: bool = False,
 ) -> int:
     """Ring-equivalent bytes one rank moves per optimizer step, with no overhead.
 
     DDP all-reduces the gradients (2 Ψ_t (N-1)/N elements); zero1 and zero2 reduce-scatter the gradients and
     all-gather the updated parameters (the same 2 Ψ_t (N-1)/N); zero3 all-gathers every parameter twice (forward and
     backward) and reduce-scatters the gradients: (2 Ψ + Ψ_t)(N-1)/N. Ψ_t counts trainable parameters: frozen ones
-    are never reduced nor re-gathered after a step.
+    are never reduced nor re-gathered after a step. ``quantize_weights`` (zero3's qwZ): the forward all-gather moves
+    int8 codes and one fp32 scale per block of 4096, about ``1 + 4/4096`` bytes per element instead of
+    ``element_bytes`` (blocks restart at each parameter: a little more for many small parameters).
     """
     _check_choice("option", option, OPTIONS)
     trainable = _check_counts(num_params, ranks, trainable_params)
-    elements = 2 * num_params + trainable if LAYOUTS[option].stage == 3 else 2 * trainable
-    return elements * element_bytes * (ranks - 1) // ranks
+    if LAYOUTS[option].stage != 3:
+        return 2 * trainable * element_bytes * (ranks - 1) // ranks
+    forward = num_params + 4 * -(-num_params // DEFAULT_BLOCK_SIZE) if quantize_weights else num_params * element_bytes
+    return (forward + (num_params + trainable) * element_bytes) * (ranks - 1) // ranks
 
 
 def hybrid_communication_bytes(
     option: str, num_params: int, ranks: int, shard_group_size: int, element_bytes: int,
-    trainable_params: int | None = None,
+    trainable_params: int | None = None, quantize_weights: bool = False,
 ) -> tuple[int, int]:
     """Ring-equivalent bytes one rank moves per optimizer step under hybrid sharding, ``(inside its shard group,
     to the other groups)`` (see [Note: hybrid sharding] in sharding/topology.py): inside, the stage's collectives over
@@ -539,7 +545,8 @@ def hybrid_communication_bytes(
         raise EstimateError(
             f"shard_group_size={shard_group_size} is invalid for {ranks} ranks: it must divide the number of ranks"
         )
-    inside = communication_bytes(option, num_params, shard_group_size, element_bytes, trainable_params)
+    inside = communication_bytes(option, num_params, shard_group_size, element_bytes, trainable_params,
+                                 quantize_weights)
     replicas = ranks // shard_group_size
     return inside, 2 * trainable * element_bytes * (replicas - 1) // (shard_group_size * replicas)
 

@@ -57,6 +57,10 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one host (default: --ranks)")
     parser.add_argument("--no-offload", action="store_true", help="consider only the options without offload")
     parser.add_argument(
+        "--quantize-weights", action="store_true", help="with --shard-group-size: zero3's forward all-gathers as int8 "
+        "blocks (ZeroStrategy(quantize_weights=True), ZeRO++'s qwZ)"
+    )
+    parser.add_argument(
         "--shard-group-size", type=int, default=None, help="hybrid sharding (ZeroStrategy(shard_group_size=K)): the "
         "model states are sharded over groups of K ranks and replicated across the groups; the table is per rank of "
         "such a group, and the communication per rank is split into inside its group and across groups (offload "
@@ -85,6 +89,8 @@ def estimate_command(args: argparse.Namespace) -> int:
     ranks = args.ranks if args.ranks is not None else _default_ranks()
     peak = _measured_step(args) if args.measure else None
     world, group = ranks, args.shard_group_size
+    if args.quantize_weights and group is None:
+        raise UsageError("--quantize-weights needs --shard-group-size (give the number of ranks for flat sharding)")
     if group is not None:
         if group < 1 or ranks % group:
             raise UsageError(f"--shard-group-size={group} is invalid for --ranks={ranks}: it must divide the number of "
@@ -113,7 +119,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     print(format_table(what, total, trainable, ranks, args.precision, estimates, budget))
     if group is not None:
-        print("\n" + format_hybrid(total, trainable, world, group, args.precision, options))
+        print("\n" + format_hybrid(total, trainable, world, group, args.precision, options, args.quantize_weights))
     if peaks is not None:
         print("\n" + format_peaks(peaks, peak))
     if recommendation is None:
@@ -158,14 +164,18 @@ def _measured_step(args: argparse.Namespace) -> estimate.PeakInputs:
     return estimate.PeakInputs(measure, batch, args.eager)
 
 
-def format_hybrid(total: int, trainable: int, world: int, group: int, precision: str, options: tuple[str, ...]) -> str:
-    """Per option, the bytes one rank moves per step inside its shard group and across groups."""
+def format_hybrid(total: int, trainable: int, world: int, group: int, precision: str, options: tuple[str, ...],
+                  quantize_weights: bool = False) -> str:
+    """Per option, the bytes one rank moves per step inside its shard group and across groups (zero3's forward
+    gathers as int8 blocks with ``quantize_weights``)."""
     element = estimate.working_bytes(precision)
     lines = [f"hybrid sharding: {world // group} groups of {group} ranks (the table above is per rank of a group); "
              "communication per rank and step (ring-equivalent; with one group per node, 'across groups' is what "
              "crosses nodes):", "", f"{'option':<22}{'inside its group':>18}{'across groups':>16}"]
     for option in options:
-        inside, across = estimate.hybrid_communication_bytes(option, total, world, group, element, trainable)
+        qwz = quantize_weights and estimate.LAYOUTS[option].stage == 3
+        inside, across = estimate.hybrid_communication_bytes(option, total, world, group, element, trainable, qwz)
+        option = option + " (qwZ)" if qwz else option
         lines.append(f"{option:<22}{estimate.format_bytes(inside):>18}{estimate.format_bytes(across):>16}")
     return "\n".join(lines)
 

@@ -352,6 +352,14 @@ def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
         assert line.endswith(f"{fmt(inside * 4)} {fmt(psi // 2 * 4)}"), (option, line)
     assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "3"]) == 2
     assert "--shard-group-size=3 is invalid for --ranks=4: it must divide the number of ranks" in capfd.readouterr().err
+    # qwZ: zero3's forward gather as int8 codes and an fp32 scale per 4096 elements
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "2",
+                 "--quantize-weights"]) == 0
+    line = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("zero3 (qwZ)"))
+    forward = psi + 4 * -(-psi // 4096)
+    assert line.split()[2:4] == fmt((forward + 2 * psi * 4) // 2).split(), line
+    assert main(["estimate", "--params", "1B", "--quantize-weights"]) == 2
+    assert "--quantize-weights needs --shard-group-size" in capfd.readouterr().err
 
 
 def test_estimate_says_when_nothing_fits(capfd):
