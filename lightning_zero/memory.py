@@ -125,13 +125,17 @@ def return_large_blocks_at_once() -> bool:
     and frees come from glibc's heap, which keeps freed pages for reuse; fragmentation leaves much of them unused yet
     resident. On the 303M-parameter GPT of BENCHMARKS.md under disk offload that was 0.4 GiB per rank of the training
     peak (1.24 GiB against 0.87 with the threshold fixed), memory a hard limit counts like any other; on the 85M GPT
-    of BENCHMARKS.md's per-phase table, in-memory zero3 on the CPU peaked at 1.57 GiB per rank in its steady steps
-    against 1.38 with the threshold fixed (the formula: 1.31-1.35), zero2 with optimizer offload at 1.67 against 1.51.
-    Disk offload, chosen to fit a model in less host memory, fixes the threshold when it sets up, and so does
-    ZeroStrategy's setup wherever the training device is the CPU under stage 3 or an optimizer offload, the modes
-    chosen to hold less (process-wide, for the rest of the process; zero1 and zero2 without offload keep glibc's
-    default, as DDP runs with it); the cost is that such blocks are mapped afresh each time (page faults, well
-    under 1% of a disk-offloaded step). Returns whether the C library has ``mallopt``.
+    of BENCHMARKS.md's per-phase table, in-memory zero3 on the CPU peaked at 1.57 GiB per rank in its steady steps,
+    1.39 with the threshold fixed (the formula: 1.31). The cost is that such blocks are mapped afresh each time (page
+    faults): well under 1% of a disk-offloaded step, whose reads and writes dominate, but measurable where a step
+    allocates and frees activations of a few MiB many times: that zero3 step took 2.97 s against 2.40 (+24%; peak 1.28
+    GiB against 1.58 in that run), 2.75 s with the threshold at 8 MiB (peak 1.33), 2.43 s at 24 MiB (peak 1.42), where
+    only the buckets and gathered units are mapped. Disk offload, chosen to fit a model in less host memory, fixes
+    the threshold at 1 MiB when it sets up, and so does ZeroStrategy's setup wherever the training device is the CPU
+    under stage 3 or an optimizer offload: the modes chosen to hold less hold what the formulas say, for that cost
+    (process-wide, for the rest of the process; zero1 and zero2 without offload keep glibc's default, as DDP runs
+    with it; on a GPU the model's memory is the device's and nothing changes). Returns whether the C library has
+    ``mallopt``.
     """
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
