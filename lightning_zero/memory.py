@@ -148,38 +148,47 @@ _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now, page cache included, 
 _PAGE = mmap.PAGESIZE
 
 
-def release_pages(tensor: torch.Tensor) -> None:
-    """Drop the pages under ``tensor``'s bytes from this process now, for a view of a memory-mapped checkpoint whose
-    rows were just copied out: they leave the resident set instead of staying mapped until the whole checkpoint is
-    dropped (``madvise``: ``MADV_PAGEOUT``, which also reclaims them from the page cache where the kernel can, then
-    ``MADV_DONTNEED``, which unmaps whatever is left). Only a file's pages, and only for a mapping never written to
-    (a checkpoint as loaded): a later read gets the file's bytes again. A tensor in anonymous memory (a state dict
-    built in memory) is left alone. A no-op off the CPU or where ``madvise`` is missing."""
-    madvise = getattr(_libc(), "madvise", None)
-    if madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0 or not _in_file_mapping(tensor):
-        return
-    if tensor.is_contiguous():
-        start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    else:  # its bytes are not one range: the whole storage
-        start, nbytes = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
-    first = start - start % _PAGE
-    for advice in (_MADV_PAGEOUT, _MADV_DONTNEED):
-        madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + nbytes - first), advice)
+class MappedPages:
+    """Drops the pages under views of a memory-mapped checkpoint whose rows were just copied out (``release``): they
+    leave the resident set instead of staying mapped until the whole checkpoint is dropped (``madvise``:
+    ``MADV_PAGEOUT``, which also reclaims them from the page cache where the kernel can, then ``MADV_DONTNEED``, which
+    unmaps whatever is left). Only a file's pages, and only for a mapping never written to (a checkpoint as loaded):
+    a later read gets the file's bytes again; a tensor in anonymous memory (a state dict built in memory) is left
+    alone. The file mappings are read from ``/proc/self/maps`` once, when made: make one per load, while the loaded
+    tensors keep their mappings alive. A no-op off the CPU or where ``madvise`` is missing."""
+
+    def __init__(self) -> None:
+        self._madvise = getattr(_libc(), "madvise", None)
+        self._files = _file_mappings() if self._madvise is not None else []
+
+    def release(self, tensor: torch.Tensor) -> None:
+        if self._madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0:
+            return
+        storage = tensor.untyped_storage()
+        if not any(start <= storage.data_ptr() < end for start, end in self._files):
+            return
+        if tensor.is_contiguous():
+            start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        else:  # its bytes are not one range: the whole storage
+            start, nbytes = storage.data_ptr(), storage.nbytes()
+        first = start - start % _PAGE
+        for advice in (_MADV_PAGEOUT, _MADV_DONTNEED):
+            self._madvise(ctypes.c_void_p(first), ctypes.c_size_t(start + nbytes - first), advice)
 
 
-def _in_file_mapping(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s storage lies in a mapping of a file (``/proc/self/maps``: a non-zero inode)."""
-    address = tensor.untyped_storage().data_ptr()
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of files (``/proc/self/maps``: a non-zero inode)."""
+    ranges = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 span, _perms, _offset, _dev, inode = line.split(maxsplit=5)[:5]
-                start, end = (int(x, 16) for x in span.split("-"))
-                if start <= address < end:
-                    return inode != "0"
+                if inode != "0":
+                    start, end = (int(x, 16) for x in span.split("-"))
+                    ranges.append((start, end))
     except OSError:
         pass
-    return False
+    return ranges
 
 
 @functools.lru_cache(maxsize=1)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.memory import release_pages
+from lightning_zero.memory import MappedPages
 from lightning_zero.sharding.flat_param import ParamShard
 
 #: Optimizers whose update is not element-wise, and why ZeRO cannot step them on row shards.
@@ -157,6 +157,7 @@ class ShardedOptimizer:
                 f"has {len(shards)}"
             )
         local_state: dict[int, dict[str, Any]] = {}
+        mapped = MappedPages()
         for index, entry in state_dict["state"].items():
             shard = shards[int(index)]
             local_state[index] = {}
@@ -164,7 +165,7 @@ class ShardedOptimizer:
                 if is_per_element(key, value, shard.spec.shape, shard):
                     rows = shard.spec.local_view(value)
                     value = self._keep_rows(rows)
-                    release_pages(rows)  # as in ZeroRuntime.load_full_state_dict
+                    mapped.release(rows)  # as in ZeroRuntime.load_full_state_dict
                 elif torch.is_tensor(value) and value.dim() > 0:
                     raise ValueError(
                         f"optimizer state {key!r} of parameter {shard.name!r} has shape {tuple(value.shape)}, "

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.memory import release_pages
+from lightning_zero.memory import MappedPages
 from lightning_zero.sharding.collectives import BufferPool, Collectives, gather_bucket
 from lightning_zero.sharding.flat_param import ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import GradReducer
@@ -345,6 +345,7 @@ class ZeroRuntime:
         missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
         if strict and (missing or unexpected):
             raise RuntimeError(f"state_dict does not match the model: missing {missing}, unexpected {unexpected}")
+        mapped = MappedPages()
         for shard in self.shards:
             value = state_dict.get(shard.name)
             if value is None:
@@ -355,7 +356,7 @@ class ZeroRuntime:
                 )
             rows = shard.spec.local_view(value)
             self._write_master(shard, rows)
-            release_pages(rows)  # a mapped checkpoint's rows, copied: not kept resident until the load ends
+            mapped.release(rows)  # a mapped checkpoint's rows, copied: not kept resident until the load ends
         for name, buffer in buffers.items():
             if name in state_dict and torch.is_tensor(buffer):
                 buffer.copy_(state_dict[name])
