@@ -4,6 +4,7 @@ input."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -18,9 +19,23 @@ KIB = 2**-20  # one KiB in GiB (budget_gb, reserve_gb)
 BUCKET_MB = 2**-10  # one KiB in MiB (bucket_mb)
 
 
+DISK_FREE = 64 * 2**30  # what every test's offload directory has free, whatever the machine running it has
+
+
 @pytest.fixture(autouse=True)
 def _no_inherited_choice(monkeypatch):
     monkeypatch.delenv(AUTO_ENV, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _disk_free(monkeypatch):
+    """The offload directory's free space, fixed: the choice must not depend on the test machine's disk."""
+    real = auto.shutil.disk_usage
+
+    def disk_usage(path):
+        return real(path)._replace(free=DISK_FREE)  # real() raises for a directory that does not exist
+
+    monkeypatch.setattr(auto.shutil, "disk_usage", disk_usage)
 
 
 @pytest.mark.parametrize(
@@ -209,10 +224,20 @@ def test_on_cpu_only_disk_offload_lowers_what_a_rank_holds(tmp_path):
     assert choice.option == "zero3_offload_disk"
     assert choice.reason.startswith(
         "zero3_offload_disk: the least complex option that fits (6.75 GiB of 7.00 GiB of memory (device and host are "
-        "one), 7.45 GiB of "
+        "one), 7.45 GiB of 32.00 GiB on disk per rank"
     )
     with pytest.raises(AutoStrategyError, match=r"^strategy=auto: nothing fits: zero3 needs 7.47 GiB per rank"):
         auto.choose(AutoStrategy(budget_gb=7.0, offload=False), BILLION, "32-true", accelerator="cpu", devices=2)
+
+
+def test_disk_offload_needs_the_disk_for_each_local_rank(monkeypatch, tmp_path):
+    # zero3_offload_disk writes 12Ψ/2 + 4Ψ/2 bytes less its resident sub-groups, 7.45 GiB a rank: 14.80 GiB free for
+    # 2 ranks is 7.40 GiB each, too little; 3 ranks would write 4.97 GiB each.
+    monkeypatch.setattr(sys.modules[__name__], "DISK_FREE", int(14.8 * 2**30))
+    settings = AutoStrategy(budget_gb=7.0, offload_dir=str(tmp_path))
+    with pytest.raises(AutoStrategyError, match=r"7.45 GiB of 7.40 GiB on disk per rank on 2 ranks; zero3_offload_disk "
+                                                r"fits on 3 ranks or more$"):
+        auto.choose(settings, BILLION, "32-true", accelerator="cpu", devices=2)
 
 
 def test_bad_offload_settings_name_the_field():
