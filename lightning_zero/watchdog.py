@@ -235,11 +235,13 @@ class Watchdog:
 
     def _find_silent_peer(self) -> PeerFailure | None:
         """After a communication error: the published cause, or the peer whose counter stopped, within
-        ``4 * heartbeat_s`` (a live peer beats every ``heartbeat_s``: one silent for two periods is taken for dead)."""
+        ``4 * heartbeat_s`` (a live peer beats every ``heartbeat_s``: one silent for two periods is taken for dead).
+        The counters are read once more after the window, however late this thread woke (a loaded machine can
+        oversleep the whole window in one sleep)."""
         started = time.monotonic()
         seen = self._read_beats(self._main_store)
         moved = [started] * self.world_size
-        while time.monotonic() - started < 4 * self.heartbeat_s:
+        while True:
             time.sleep(self.heartbeat_s / 4)
             cause = self._read_failure(self._main_store)
             if cause is not None:
@@ -252,7 +254,8 @@ class Watchdog:
             if silent is not None:
                 return PeerFailure(silent.rank, f"stopped sending heartbeats (silent {now - moved[silent.rank]:.1f} s "
                                    "after this rank's collective failed): it died or its machine is unreachable")
-        return None
+            if now - started >= 4 * self.heartbeat_s:
+                return None
 
     def _store_lost(self, err: BaseException) -> PeerFailure:
         if self.store_in_rank0:

@@ -108,6 +108,25 @@ def test_a_communication_error_is_blamed_on_the_peer_whose_heartbeat_stopped(pai
     assert ours._read_failure(ours._main_store).rank == 1  # published: the other ranks report the same cause
 
 
+def test_a_communication_error_names_the_dead_peer_even_when_the_store_answers_slowly(pair, monkeypatch) -> None:
+    # A loaded machine: every read of the counters takes longer than the whole search window of 4 heartbeats. The
+    # counters are still compared at least once after the window, and the peer found silent.
+    ours, peer = pair
+    ours.start()
+    peer.start()
+    peer._stopping.set()
+    read_beats = ours._read_beats
+
+    def slow_read(store):
+        time.sleep(5 * HEARTBEAT_S)
+        return read_beats(store)
+
+    monkeypatch.setattr(ours, "_read_beats", slow_read)
+    error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    ours.on_exception(error)
+    assert error.__notes__[0].startswith("lightning_zero watchdog (rank 0): rank 1 stopped sending heartbeats")
+
+
 def test_heartbeat_must_be_shorter_than_the_failure_timeout() -> None:
     with pytest.raises(ValueError, match="heartbeat_s=5 is invalid: it must be > 0 and below failure_timeout_s=5"):
         Watchdog(dist.HashStore(), 0, 2, failure_timeout_s=5, heartbeat_s=5)
