@@ -299,14 +299,8 @@ class ZeroConfig:
                 f"offload_params={self.offload.offload_params!r} needs stage=3 (stages 1 and 2 keep full parameters "
                 f"on every rank), got stage={self.stage}: use offload_optimizer to offload stage {self.stage}'s states"
             )
-        hybrid = self.topology.shard_group_size
         offloaded = [f"{name}={getattr(self.offload, name)!r}" for name in ("offload_optimizer", "offload_params")
                      if getattr(self.offload, name) is not None]
-        if hybrid is not None and offloaded:
-            raise ZeroConfigError(
-                f"shard_group_size={hybrid!r} with {' and '.join(offloaded)} is not supported yet: hybrid sharding keeps "
-                "the optimizer states on the device; drop one of them"
-            )
         if self.stage3.quantize_weights and self.stage != 3:
             raise ZeroConfigError(
                 f"quantize_weights=True needs stage=3 (it quantizes stage 3's parameter all-gathers), got "

@@ -538,8 +538,8 @@ def hybrid_communication_bytes(
     to the other groups)`` (see [Note: hybrid sharding] in sharding/topology.py): inside, the stage's collectives over
     the ``K = shard_group_size`` ranks of its group (``communication_bytes`` at ``K`` ranks); across, the all-reduce of
     its gradient shard over the ``R = N / K`` replicas, ``2 (Ψ_t / K)(R - 1)/R`` elements. With one group per node the
-    second is all that crosses nodes."""
-    _check_choice("option", option, tuple(o for o in IN_DEVICE_OPTIONS if LAYOUTS[o].stage >= 1))
+    second is all that crosses nodes. Offload moves the same bytes: the host steps the shard the collectives left."""
+    _check_choice("option", option, tuple(o for o in OPTIONS if LAYOUTS[o].stage >= 1))
     trainable = _check_counts(num_params, ranks, trainable_params)
     if shard_group_size < 1 or ranks % shard_group_size:
         raise EstimateError(

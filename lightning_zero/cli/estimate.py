@@ -63,8 +63,7 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--shard-group-size", type=int, default=None, help="hybrid sharding (ZeroStrategy(shard_group_size=K)): the "
         "model states are sharded over groups of K ranks and replicated across the groups; the table is per rank of "
-        "such a group, and the communication per rank is split into inside its group and across groups (offload "
-        "options are left out: hybrid sharding refuses them)"
+        "such a group, and the communication per rank is split into inside its group and across groups"
     )
     parser.add_argument(
         "--measure",
@@ -99,7 +98,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     try:
         if args.trainable is not None:
             trainable = estimate.parse_count(args.trainable)
-        options = estimate.IN_DEVICE_OPTIONS if args.no_offload or group is not None else estimate.OPTIONS
+        options = estimate.IN_DEVICE_OPTIONS if args.no_offload else estimate.OPTIONS
         if group is not None:
             options = tuple(o for o in options if estimate.LAYOUTS[o].stage >= 1)
         budget = _rank_budget(args, ranks)
@@ -167,13 +166,13 @@ def _measured_step(args: argparse.Namespace) -> estimate.PeakInputs:
 def format_hybrid(total: int, trainable: int, world: int, group: int, precision: str, options: tuple[str, ...],
                   quantize_weights: bool = False) -> str:
     """Per option, the bytes one rank moves per step inside its shard group and across groups (zero3's forward
-    gathers as int8 blocks with ``quantize_weights``)."""
+    gathers as int8 blocks with ``quantize_weights``, which offload refuses)."""
     element = estimate.working_bytes(precision)
     lines = [f"hybrid sharding: {world // group} groups of {group} ranks (the table above is per rank of a group); "
              "communication per rank and step (ring-equivalent; with one group per node, 'across groups' is what "
              "crosses nodes):", "", f"{'option':<22}{'inside its group':>18}{'across groups':>16}"]
     for option in options:
-        qwz = quantize_weights and estimate.LAYOUTS[option].stage == 3
+        qwz = quantize_weights and estimate.LAYOUTS[option].stage == 3 and option in estimate.IN_DEVICE_OPTIONS
         inside, across = estimate.hybrid_communication_bytes(option, total, world, group, element, trainable, qwz)
         option = option + " (qwZ)" if qwz else option
         lines.append(f"{option:<22}{estimate.format_bytes(inside):>18}{estimate.format_bytes(across):>16}")

@@ -42,7 +42,7 @@ def make_offload(shards: Sequence[ParamShard], config: ZeroConfig, comms: Collec
     except OffloadDiskError as err:
         failure = err
     failed = torch.tensor([float(failure is not None)], device=comms.device)
-    comms.all_reduce_(failed, "the disk offload set-up flags", op="max")
+    comms.world.all_reduce_(failed, "the disk offload set-up flags", op="max")  # every replica's ranks, too
     if failed.item():
         if result is not None:
             result.close()

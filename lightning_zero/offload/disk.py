@@ -384,12 +384,10 @@ class DiskOffload(HostOffload):
 
     def close(self, optimizers: tuple[torch.optim.Optimizer, ...] = ()) -> None:
         """Remove the files. The masters become views of the full parameters if the module holds them (end of fit),
-        else empty; optimizer states kept in the files are dropped (checkpoints that need them are saved during
-        fit)."""
+        else empty. Optimizer states kept in the files stay readable through their mappings (an unlinked file lives
+        as long as it is mapped, its pages on disk, not in memory), so that a checkpoint saved after fit holds them,
+        as under DDP; their disk space returns when the optimizer goes."""
         self._io.shutdown(wait=True)
-        for optimizer in optimizers:
-            for param in [p for p, st in optimizer.state.items() if any(self.store.holds(v) for v in st.values())]:
-                del optimizer.state[param]
         for shard in self.shards:
             full = shard.param.detach()
             shard.local = shard.spec.local_view(full) if full.shape == shard.spec.shape else torch.empty(0)

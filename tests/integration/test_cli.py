@@ -343,11 +343,12 @@ def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
     out = capfd.readouterr().out
     assert out.startswith(f"model gpt_small ({psi:,} parameters), 2 ranks")  # the states of one group of 2
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("zero")}
-    assert set(rows) == {"zero1", "zero2", "zero3"}  # no offload: hybrid sharding refuses it
+    assert set(rows) == {"zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload",
+                         "zero3_offload_params", "zero1_offload_disk", "zero2_offload_disk", "zero3_offload_disk"}
     # inside a group of 2: reduce-scatter + all-gather (zero1/2), and a second all-gather (zero3), half of it each;
     # across the 2 groups: the all-reduce of a rank's half of the gradients, half of it (a ring of 2)
     fmt = lambda n: " ".join(estimate.format_bytes(n).split())
-    for option, inside in (("zero1", 2 * psi // 2), ("zero3", 3 * psi // 2)):
+    for option, inside in (("zero1", 2 * psi // 2), ("zero3", 3 * psi // 2), ("zero3_offload_disk", 3 * psi // 2)):
         line = " ".join(rows[option])
         assert line.endswith(f"{fmt(inside * 4)} {fmt(psi // 2 * 4)}"), (option, line)
     assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "3"]) == 2
