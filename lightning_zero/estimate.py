@@ -551,6 +551,19 @@ def hybrid_communication_bytes(
     return inside, 2 * trainable * element_bytes * (replicas - 1) // (shard_group_size * replicas)
 
 
+def hpz_bytes(num_params: int, precision: str, hpz_group_size: int) -> int:
+    """hpZ's secondary shards (``ZeroStrategy(hpz_group_size=K2)``, see [Note: hpZ's secondary shards] in
+    sharding/unit_state.py): at the end of a forward each rank holds ``1/K2`` of every unit's gathered working-dtype
+    weights, ``b Ψ / K2`` bytes (``b`` the working dtype's bytes), until each unit's backward gather. An upper bound
+    by the root unit's parameters, which keep no secondary, and below it by the dim-0 padding (at most ``N - 1`` rows
+    per parameter)."""
+    _check_choice("precision", precision, PRECISIONS)
+    _check_counts(num_params, 1, None)
+    if isinstance(hpz_group_size, bool) or not isinstance(hpz_group_size, int) or hpz_group_size < 1:
+        raise EstimateError(f"hpz_group_size={hpz_group_size!r} is invalid: it must be an integer >= 1")
+    return working_bytes(precision) * -(-num_params // hpz_group_size)
+
+
 def parse_count(text: str) -> int:
     """``"125M"``, ``"1.3B"``, ``"7e9"`` or ``"350000"`` -> a parameter count."""
     suffixes = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
