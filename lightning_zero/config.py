@@ -183,8 +183,9 @@ class TopologyConfig:
             reduce-scattered inside the group, then all-reduced across groups). It must divide the world size (checked
             at setup). ``None`` (default) shards over every rank.
         node_size: how many consecutive ranks share a host, for the accounting of the bytes that cross between hosts
-            (``comm_stats.cross_group_bytes``); ``None``: ``shard_group_size`` under hybrid sharding, else the ranks
-            Lightning's cluster environment starts on one host (its devices per node). It must divide the world size.
+            (``comm_stats.cross_group_bytes``); ``None``: ``shard_group_size`` under hybrid sharding, else
+            ``hpz_group_size`` under hpZ, else the ranks Lightning's cluster environment starts on one host (its
+            devices per node). It must divide the world size.
         hpz_group_size: ZeRO++'s hpZ (stage 3): after a unit's forward each rank keeps its ``1/K2`` slice of the
             unit's gathered working-dtype weights, shared among consecutive groups of this many ranks (normally one
             node), and the unit's backward all-gather runs inside that group from those slices, so none of it

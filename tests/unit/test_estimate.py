@@ -313,3 +313,13 @@ def test_hybrid_communication_spans_flat_sharding_and_ddp():
     assert hybrid_communication_bytes("zero1", psi, 8, 4, 2)[1] == 2 * (psi // 4) * 2 // 2
     with pytest.raises(EstimateError, match="shard_group_size=3 is invalid for 8 ranks"):
         hybrid_communication_bytes("zero3", psi, 8, 3, 2)
+
+
+def test_hpz_secondary_shards_are_psi_b_over_k2():
+    from lightning_zero.estimate import hpz_bytes
+
+    assert hpz_bytes(1_000_000, "32-true", 8) == 500_000  # 4 bytes x 1M / 8
+    assert hpz_bytes(1_000_001, "bf16-mixed", 8) == 2 * 125_001  # the largest slice, rounded up
+    assert hpz_bytes(1_000_000, "16-mixed", 1) == 2_000_000  # a group of one keeps the whole unit
+    with pytest.raises(EstimateError, match=r"^hpz_group_size=0 is invalid: it must be an integer >= 1"):
+        hpz_bytes(1_000, "32-true", 0)
