@@ -19,7 +19,7 @@ from lightning_zero import ZeroConfigError, ZeroStrategy, estimate
 from lightning_zero.models import GPTConfig, LanguageModel
 from lightning_zero.sharding.flat_param import ShardSpec
 from tests.harness import run_on_ranks
-from tests.models import Recorder, StepSeededLM, make_trainer
+from tests.models import AdapterModel, ParityModel, Recorder, StepSeededLM, make_trainer
 
 WORLD, NODE = 4, 2
 STEPS = 5
@@ -97,6 +97,21 @@ def _unit_shapes(trainer) -> list[list[torch.Size]]:
     return [[s.spec.shape for s in unit.shards] for unit in trainer.strategy.runtime.parameters.units]
 
 
+def _fit_model(name: str, hpz: int | None) -> dict:
+    """A module called twice in a forward, a frozen unit whose output needs no gradient and LoRA layers
+    (``AdapterModel``); or a layer used on even batches only, with ``find_unused_parameters`` (``ParityModel``)."""
+    pl.seed_everything(1234, verbose=False)
+    if name == "adapter":
+        model, options = AdapterModel(), {"units": ("LoRALinear", "mix", "embed")}
+    else:
+        model, options = ParityModel("adamw", with_unused=True), {"units": ("Linear",), "find_unused_parameters": True}
+    log, recorder = StepLog(), Recorder()
+    strategy = ZeroStrategy(3, node_size=NODE, hpz_group_size=hpz, **options)
+    trainer = make_trainer(strategy, WORLD, max_steps=STEPS, callbacks=[log, recorder], gradient_clip_val=CLIP)
+    trainer.fit(model)
+    return {"losses": recorder.losses, "params": recorder.params, "norms": log.norms, "cross": log.cross}
+
+
 # ---------------------------------------------------------------------------------------------- resume
 
 
@@ -141,12 +156,15 @@ def _run_all(rank: int, world_size: int, root: Path) -> dict:
     checkpointing = {"activation_checkpointing_policy": ("Block",)}
     fits["flat checkpointing"], fits["hpz checkpointing"] = _fit(None, **checkpointing), _fit(2, **checkpointing)
     fits["flat 4x1"], fits["hpz 4x1"] = _fit(None, node_size=1), _fit(1, node_size=1)
+    fits["flat 1x4"], fits["hpz 1x4"] = _fit(None, node_size=4), _fit(2, node_size=4)
     fits["flat hybrid"], fits["hpz hybrid"] = _fit(None, shard_group_size=2), _fit(1, shard_group_size=2)
     # qwZ: the secondary holds the dequantized weights of the forward, as units kept from forward to backward do.
     fits["flat qwz"] = _fit(None, quantize_weights=True, reshard_after_forward=False)
     fits["hpz qwz"] = _fit(2, quantize_weights=True)
     fits["flat untied"] = _fit(None, config=UNTIED, units=ALL_UNITS)
     fits["hpz untied"] = _fit(2, config=UNTIED, units=ALL_UNITS)
+    for name in ("adapter", "unused"):
+        fits[f"flat {name}"], fits[f"hpz {name}"] = _fit_model(name, None), _fit_model(name, 2)
     out["resume"] = _resume(root)
     out["errors"] = [_setup_error(hpz_group_size=3), _setup_error(hpz_group_size=4)]
     return out
@@ -172,7 +190,7 @@ def _assert_bitwise(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["", " bf16", " accumulate", " checkpointing", " 4x1", " hybrid", " qwz",
-                                  " untied"])
+                                  " untied", " adapter", " unused", " 1x4"])
 def test_hpz_is_bitwise_the_flat_stage_every_step(ranks, case: str) -> None:
     """hpZ against the same run without it: flat zero3 gathers the same rows of the same shards again in backward;
     under qwZ units kept from forward to backward (``reshard_after_forward=False``) compute with the same values."""
@@ -200,6 +218,14 @@ def test_backward_gathers_stay_inside_the_node(ranks, case: str, b: int) -> None
             assert hpz["ops"][step]["all_gather"][0] == flat["ops"][step]["all_gather"][0] - 3 * s * b
             assert hpz["total"][step] == flat["total"][step] - s * b, (rank, step)
             assert hpz["cross"][step] == flat["cross"][step] - 2 * s * b, (rank, step)
+
+
+def test_1x4_nothing_crosses(ranks) -> None:
+    """One node of 4 ranks, hpZ groups of 2 inside it: nothing crosses either way; hpZ moves flat's less ``S b``."""
+    for out in ranks:
+        flat, hpz = out["fits"]["flat 1x4"], out["fits"]["hpz 1x4"]
+        assert flat["cross"] == hpz["cross"] == [0] * STEPS
+        assert hpz["total"][1] == flat["total"][1] - _segment(hpz["blocks"], WORLD) * 4
 
 
 def test_4x1_backward_gathers_move_nothing(ranks) -> None:
