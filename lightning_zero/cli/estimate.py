@@ -69,7 +69,8 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--hpz-group-size", type=int, default=None, help="zero3 with ZeRO++'s hpZ (ZeroStrategy(hpz_group_size=K2)): "
         "the memory the secondary shards add per rank from a unit's forward to its backward, and the backward "
-        "all-gather's bytes inside groups of K2 ranks (it must divide --shard-group-size, else --ranks, and be smaller)"
+        "all-gather's bytes inside groups of K2 ranks (it must divide --shard-group-size, else --ranks, and be "
+        "smaller); with --measure, zero3's peak counts them"
     )
     parser.add_argument(
         "--measure",
@@ -121,7 +122,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         shared_host = not _on_cuda()
         peaks = [
             estimate.peak_estimate(o, total, ranks, peak.measure, peak.batch, args.precision, args.bucket_mb,
-                                   trainable, eager=peak.eager, shared_host=shared_host)
+                                   trainable, eager=peak.eager, shared_host=shared_host, hpz_group_size=hpz)
             for o in options
         ] if peak is not None else None
     except estimate.EstimateError as err:
