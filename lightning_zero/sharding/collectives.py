@@ -46,7 +46,8 @@ the tensor's size for a broadcast. That is the hardware-independent figure the Z
 bytes the chosen algorithm actually puts on the wire are kept beside it as ``wire_bytes`` (twice the logical figure
 for the all-reduce that reduces CUDA tensors on gloo, the same figure otherwise), and ``cross_bytes``: what of it
 this rank sends to another node (see [Note: what crosses nodes] in topology.py). A quantized all-gather (qwZ) counts
-the payloads it moves, under ``"all_gather_quantized"`` (see [Note: the quantized all-gather]).
+the payloads it moves, under ``"all_gather_quantized"`` (see [Note: the quantized all-gather]); hpZ's backward
+gather inside its group, under ``"all_gather_hpz"`` (``all_gather_rows``).
 
 [Note: hybrid sharding's collectives]
 Under hybrid sharding (topology.py, [Note: hybrid sharding]) the runtime's ``Collectives`` is over the shard group,

@@ -38,8 +38,9 @@ At 2 nodes x 2 ranks (node_size 2), flat ZeRO-3 on gloo sends ``2/3`` of its red
 across (two of a rank's three peers are on the other node): per step ``2 * b * (3 S_units + 2 S_root)`` with ``S``
 the elements of a rank's segment (``S = Psi/4`` padded, the root unit gathered once a step); with
 ``shard_group_size=2`` nothing of the shard group crosses, only the replica all-reduce of the gradient shard (a ring
-of 2: the whole segment, ``Psi/2`` padded, to the other node): ``b * Psi/2``. Small all-reduces (norm, flags) are
-counted too, by the ring model.
+of 2: the whole segment, ``Psi/2`` padded, to the other node): ``b * Psi/2``. With ``hpz_group_size=2`` (flat),
+the units' backward gathers run inside each node (unit_state.py, [Note: hpZ's secondary shards]): ``2 * b * (2
+S_units + 2 S_root)``. Small all-reduces (norm, flags) are counted too, by the ring model.
 """
 
 from __future__ import annotations
