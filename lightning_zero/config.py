@@ -183,15 +183,23 @@ class TopologyConfig:
             reduce-scattered inside the group, then all-reduced across groups). It must divide the world size (checked
             at setup). ``None`` (default) shards over every rank.
         node_size: how many consecutive ranks share a host, for the accounting of the bytes that cross between hosts
-            (``comm_stats.cross_group_bytes``); ``None``: ``shard_group_size`` under hybrid sharding, else the ranks
-            Lightning's cluster environment starts on one host (its devices per node). It must divide the world size.
+            (``comm_stats.cross_group_bytes``); ``None``: ``shard_group_size`` under hybrid sharding, else
+            ``hpz_group_size`` under hpZ, else the ranks Lightning's cluster environment starts on one host (its
+            devices per node). It must divide the world size.
+        hpz_group_size: ZeRO++'s hpZ (stage 3): after a unit's forward each rank keeps its ``1/K2`` slice of the
+            unit's gathered working-dtype weights, shared among consecutive groups of this many ranks (normally one
+            node), and the unit's backward all-gather runs inside that group from those slices, so none of it
+            crosses nodes; costs ``Psi * b / K2`` bytes per rank from forward to backward (see [Note: hpZ's
+            secondary shards] in sharding/unit_state.py). It must divide the shard group (``shard_group_size``, else
+            the world) and be smaller (checked at setup). ``None`` (default): off.
     """
 
     shard_group_size: int | None = None
     node_size: int | None = None
+    hpz_group_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("shard_group_size", "node_size"):
+        for name in ("shard_group_size", "node_size", "hpz_group_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ZeroConfigError(
@@ -310,6 +318,7 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"quantize_weights=True with {' and '.join(offloaded)} is not supported yet: drop one of them"
             )
+        _refuse_with_hpz(self, offloaded)
         policy = self.activation_checkpointing_policy
         entries = policy if isinstance(policy, (tuple, list, set, frozenset)) else [None]  # a str or class: no list
         if not all(isinstance(p, type) or (isinstance(p, str) and p) for p in entries):
@@ -345,6 +354,25 @@ class ZeroConfig:
             return []
         default = Stage3Config()
         return [f.name for f in dataclasses.fields(Stage3Config) if getattr(self.stage3, f.name) != getattr(default, f.name)]
+
+
+def _refuse_with_hpz(config: ZeroConfig, offloaded: list[str]) -> None:
+    """hpZ (``hpz_group_size``) composes with stage 3's gathers freed after the forward only, on the device."""
+    hpz = config.topology.hpz_group_size
+    if hpz is None:
+        return
+    group = config.topology.shard_group_size
+    refusals = [
+        (config.stage != 3, f"needs stage=3 (it serves stage 3's backward all-gathers), got stage={config.stage}"),
+        (bool(offloaded), f"with {' and '.join(offloaded)} is not supported yet: drop one of them"),
+        (not config.stage3.reshard_after_forward, "with reshard_after_forward=False has nothing to do: the units "
+         "stay gathered from forward to backward; drop one of them"),
+        (group is not None and (hpz >= group or group % hpz), f"is invalid with shard_group_size={group}: it must "
+         "divide the shard group size and be smaller"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ZeroConfigError(f"hpz_group_size={hpz!r} {why}")
 
 
 _COMPONENTS: dict[str, type] = {

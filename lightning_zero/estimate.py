@@ -434,11 +434,14 @@ def peak_estimate(
     eager: bool = True,
     prefetch: int = 1,
     shared_host: bool = True,
+    hpz_group_size: int | None = None,
 ) -> PeakEstimate:
     """The peak memory per rank in each phase of a run of ``option`` (see [Note: the peak of a run]): ``measure``
     is one measured step of the model (``step_measure.measure_step``), ``batch`` the sequences per rank and step,
     ``eager`` whether the model is built in full before setup (in ``__init__``; stage 3 under ``configure_model``
-    materializes shards only), ``shared_host`` whether the device is host memory (a CPU run)."""
+    materializes shards only), ``shared_host`` whether the device is host memory (a CPU run), ``hpz_group_size``
+    zero3's hpZ: its secondary shards, ``b / K2`` of every unit's elements (the root unit's measured apart keeps
+    none), held from the forward to the backward, are part of the step."""
     e = estimate(option, num_params, ranks, precision, bucket_mb, trainable_params, offload)
     layout = LAYOUTS[option]
     trainable = _check_counts(num_params, ranks, trainable_params)
@@ -459,8 +462,12 @@ def peak_estimate(
         "workspace": 4 * optim_elements if layout.offload_optimizer is None else
         min(e.buckets, 4 * optim_elements) if shared_host else 0,
     }
+    if hpz_group_size is not None:
+        unit_elements = num_params - measure.root_unit_elements if layout.stage == 3 else 0
+        terms["secondaries"] = unit_elements * working // hpz_group_size
     t = terms
-    step = t["baseline"] + t["states"] + t["buckets"] + t["units"] + t["activations"] + t["workspace"]
+    step = (t["baseline"] + t["states"] + t["buckets"] + t["units"] + t["activations"] + t["workspace"]
+            + t.get("secondaries", 0))
     made_at_setup = {0: e.grads, 3: (0 if layout.offload_params == "disk" else e.params) + unit}
     masters = 4 * optim_elements if layout.offload_optimizer is not None else 0
     setup = t["baseline"] + t["eager"] + made_at_setup.get(layout.stage, 0) + masters
@@ -549,6 +556,19 @@ def hybrid_communication_bytes(
                                  quantize_weights)
     replicas = ranks // shard_group_size
     return inside, 2 * trainable * element_bytes * (replicas - 1) // (shard_group_size * replicas)
+
+
+def hpz_bytes(num_params: int, precision: str, hpz_group_size: int) -> int:
+    """hpZ's secondary shards (``ZeroStrategy(hpz_group_size=K2)``, see [Note: hpZ's secondary shards] in
+    sharding/unit_state.py): at the end of a forward each rank holds ``1/K2`` of every unit's gathered working-dtype
+    weights, ``b Ψ / K2`` bytes (``b`` the working dtype's bytes), until each unit's backward gather. An upper bound
+    by the root unit's parameters, which keep no secondary, and below it by the dim-0 padding (at most ``N - 1`` rows
+    per parameter)."""
+    _check_choice("precision", precision, PRECISIONS)
+    _check_counts(num_params, 1, None)
+    if isinstance(hpz_group_size, bool) or not isinstance(hpz_group_size, int) or hpz_group_size < 1:
+        raise EstimateError(f"hpz_group_size={hpz_group_size!r} is invalid: it must be an integer >= 1")
+    return working_bytes(precision) * -(-num_params // hpz_group_size)
 
 
 def parse_count(text: str) -> int:

@@ -230,14 +230,14 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         raises, naming the option, unless ``shard_group_size`` and ``node_size`` divide the world size."""
         options = self.config.topology
         return Topology.make(self.world_size, self.global_rank, options.shard_group_size, options.node_size,
-                             host_ranks=self.num_processes)
+                             host_ranks=self.num_processes, hpz_group_size=options.hpz_group_size)
 
     def _collectives(self) -> Collectives:
-        """The runtime's collectives over the world; under hybrid sharding over the shard group, made at the first
-        setup (its process groups are created once, every rank creating them in the same order) and kept for the
-        setups after it (evaluation after fit)."""
+        """The runtime's collectives over the world; under hybrid sharding over the shard group (with hpZ, and its
+        groups), made at the first setup (its process groups are created once, every rank creating them in the same
+        order) and kept for the setups after it (evaluation after fit)."""
         topology = self.topology()
-        if not topology.hybrid:
+        if not topology.needs_groups:
             return topology_collectives(self.root_device, topology, self.config.comm.shortcut_single_rank,
                                         self._comm_stats)
         key = (self.root_device, topology)

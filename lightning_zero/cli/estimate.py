@@ -66,6 +66,12 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
         "such a group, and the communication per rank is split into inside its group and across groups"
     )
     parser.add_argument(
+        "--hpz-group-size", type=int, default=None, help="zero3 with ZeRO++'s hpZ (ZeroStrategy(hpz_group_size=K2)): "
+        "the memory the secondary shards add per rank from a unit's forward to its backward, and the backward "
+        "all-gather's bytes inside groups of K2 ranks (it must divide --shard-group-size, else --ranks, and be "
+        "smaller); with --measure, zero3's peak counts them"
+    )
+    parser.add_argument(
         "--measure",
         action="store_true",
         help="with --model or --recipe: run one real step of the model on a tiny batch (in a fresh process, on this "
@@ -95,6 +101,10 @@ def estimate_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--shard-group-size={group} is invalid for --ranks={ranks}: it must divide the number of "
                              "ranks")
         ranks = group  # the model states are sharded over one group
+    hpz = args.hpz_group_size
+    if hpz is not None and (hpz < 1 or hpz >= ranks or ranks % hpz):
+        over = "--shard-group-size" if group is not None else "--ranks"
+        raise UsageError(f"--hpz-group-size={hpz} is invalid for {over}={ranks}: it must divide it and be smaller")
     try:
         if args.trainable is not None:
             trainable = estimate.parse_count(args.trainable)
@@ -111,7 +121,7 @@ def estimate_command(args: argparse.Namespace) -> int:
         shared_host = not _on_cuda()
         peaks = [
             estimate.peak_estimate(o, total, ranks, peak.measure, peak.batch, args.precision, args.bucket_mb,
-                                   trainable, eager=peak.eager, shared_host=shared_host)
+                                   trainable, eager=peak.eager, shared_host=shared_host, hpz_group_size=hpz)
             for o in options
         ] if peak is not None else None
     except estimate.EstimateError as err:
@@ -119,6 +129,8 @@ def estimate_command(args: argparse.Namespace) -> int:
     print(format_table(what, total, trainable, ranks, args.precision, estimates, budget))
     if group is not None:
         print("\n" + format_hybrid(total, trainable, world, group, args.precision, options, args.quantize_weights))
+    if hpz is not None:
+        print("\n" + format_hpz(total, ranks, hpz, args.precision))
     if peaks is not None:
         print("\n" + format_peaks(peaks, peak))
     if recommendation is None:
@@ -177,6 +189,18 @@ def format_hybrid(total: int, trainable: int, world: int, group: int, precision:
         option = option + " (qwZ)" if qwz else option
         lines.append(f"{option:<22}{estimate.format_bytes(inside):>18}{estimate.format_bytes(across):>16}")
     return "\n".join(lines)
+
+
+def format_hpz(total: int, ranks: int, hpz: int, precision: str) -> str:
+    """hpZ under zero3: the secondary shards' bytes per rank, and the backward all-gather inside the hpZ group in
+    place of the one over the ``ranks`` that shard the model (ring-equivalent bytes per rank and step)."""
+    element, fmt = estimate.working_bytes(precision), estimate.format_bytes
+    inside, instead = total * element * (hpz - 1) // hpz, total * element * (ranks - 1) // ranks
+    secondary = estimate.hpz_bytes(total, precision, hpz)
+    return (f"hpZ (hpz_group_size={hpz}, zero3): the secondary shards add {fmt(secondary)} "
+            f"per rank from a unit's forward to its backward (Psi * b / {hpz}); the backward all-gather moves "
+            f"{fmt(inside)} per rank and step inside groups of {hpz} ranks (none across them) instead "
+            f"of {fmt(instead)} over the {ranks} ranks that shard the model")
 
 
 def format_peaks(peaks: list, inputs: estimate.PeakInputs) -> str:

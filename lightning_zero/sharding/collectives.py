@@ -46,7 +46,8 @@ the tensor's size for a broadcast. That is the hardware-independent figure the Z
 bytes the chosen algorithm actually puts on the wire are kept beside it as ``wire_bytes`` (twice the logical figure
 for the all-reduce that reduces CUDA tensors on gloo, the same figure otherwise), and ``cross_bytes``: what of it
 this rank sends to another node (see [Note: what crosses nodes] in topology.py). A quantized all-gather (qwZ) counts
-the payloads it moves, under ``"all_gather_quantized"`` (see [Note: the quantized all-gather]).
+the payloads it moves, under ``"all_gather_quantized"`` (see [Note: the quantized all-gather]); hpZ's backward
+gather inside its group, under ``"all_gather_hpz"`` (``all_gather_rows``).
 
 [Note: hybrid sharding's collectives]
 Under hybrid sharding (topology.py, [Note: hybrid sharding]) the runtime's ``Collectives`` is over the shard group,
@@ -394,6 +395,8 @@ class Collectives:
         self.replicas: Collectives | None = None
         #: The collectives over every rank: ``self`` unless this group is a shard group of hybrid sharding.
         self.world: Collectives = self
+        #: hpZ: the collectives over this rank's hpZ group, which the backward gathers run in (``None``: off).
+        self.hpz: Collectives | None = None
         self.backend = dist.get_backend(group) if self.distributed else None
         backends = _device_backends(group) if self.distributed else {}
         if device is None:
@@ -541,6 +544,15 @@ class Collectives:
         return QuantizedGathered(buffer=buffer, works=works, guard=guard, payloads=payloads, bucket=bucket,
                                  pieces=pieces)
 
+    def all_gather_rows(self, table: Tensor, what: str, guard: Callable[[], None] | None = None) -> Gathered:
+        """All-gather the rows of ``table`` ``(n, row)`` in place, row ``r`` from group rank ``r`` (this rank's row
+        already written): hpZ's backward gather of a unit's secondary shards into its storage (see [Note: hpZ's
+        secondary shards] in unit_state.py), counted as ``"all_gather_hpz"``."""
+        self.check(what, table)
+        if self.local:
+            return Gathered(buffer=table, guard=guard)
+        return Gathered(buffer=table, works=self._gather_rows(table, "all_gather_hpz"), guard=guard)
+
     def _gather_rows(self, table: Tensor, op: str) -> list:
         """Issue the all-gather of the rows of ``table`` ``(n, row)`` (row ``r`` from group rank ``r``) and record
         its bytes under ``op``."""
@@ -637,18 +649,23 @@ def topology_collectives(
     """The collectives the runtime shards through: over the world when ``topology`` is flat; under hybrid sharding
     over this rank's shard group, with ``replicas`` and ``world`` (see [Note: hybrid sharding's collectives]).
     Every rank must call it at the same point: it creates every shard group, replica group and the shard groups'
-    control channels, in the same order on every rank, with the world's backend."""
+    control channels, in the same order on every rank, with the world's backend; under hpZ also its groups (``hpz``,
+    see [Note: hpZ's secondary shards] in unit_state.py)."""
     options = dict(shortcut_single_rank=shortcut_single_rank, stats=stats, node_size=topology.node_size)
     world = Collectives(device, **options)
-    if not topology.hybrid:
-        return world
-    shard_groups = [dist.new_group(ranks) for ranks in topology.shard_groups()]
-    replica_groups = [dist.new_group(ranks) for ranks in topology.replica_groups()]
-    controls = [dist.new_group(ranks, backend="gloo") for ranks in topology.shard_groups()]
-    comms = Collectives(device, shard_groups[topology.replica_rank], **options)
-    comms._control = controls[topology.replica_rank]
-    comms.replicas = Collectives(device, replica_groups[topology.shard_rank], **options)
-    comms.world = world
+    comms = world
+    if topology.hybrid:
+        shard_groups = [dist.new_group(ranks) for ranks in topology.shard_groups()]
+        replica_groups = [dist.new_group(ranks) for ranks in topology.replica_groups()]
+        controls = [dist.new_group(ranks, backend="gloo") for ranks in topology.shard_groups()]
+        comms = Collectives(device, shard_groups[topology.replica_rank], **options)
+        comms._control = controls[topology.replica_rank]
+        comms.replicas = Collectives(device, replica_groups[topology.shard_rank], **options)
+        comms.world = world
+    if topology.hpz_group_size is not None:
+        # A group of one rank is still made (every rank makes every group), and gathers nothing (``local``).
+        hpz_groups = [dist.new_group(ranks) for ranks in topology.hpz_groups()]
+        comms.hpz = Collectives(device, hpz_groups[topology.hpz_group], **options)
     return comms
 
 

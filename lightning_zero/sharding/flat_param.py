@@ -338,10 +338,14 @@ class Bucket:
         copy, no staging)."""
         if storage is None:
             storage = torch.empty(self.full_numel, dtype=buffer.dtype, device=buffer.device)
-        pieces = list(storage.split([self.world_size * p for p in self.padded_numels]))
+        pieces = self.storage_pieces(storage)
         outs = [piece.view(self.world_size, p) for piece, p in zip(pieces, self.padded_numels)]
         torch.split_with_sizes_copy(buffer.view(self.world_size, -1), self.padded_numels, dim=1, out=outs)
         return pieces
+
+    def storage_pieces(self, storage: Tensor) -> list[Tensor]:
+        """Each parameter's (padded) piece of a parameter-major tensor of ``full_numel`` elements."""
+        return list(storage.split([self.world_size * p for p in self.padded_numels]))
 
     def local_views(self, segment: Tensor) -> list[Tensor]:
         """Per-parameter views of the unpadded shards inside one rank's segment, at their local shapes."""

@@ -20,8 +20,10 @@ With ``quantize_weights`` the gathers a forward issues are quantized (collective
 all-gather]): the pre-forward hook's and its prefetches, in training and evaluation, and the root unit's at the start
 of a step, which then serves the backward too (as a unit kept from forward to backward by
 ``reshard_after_forward=False`` does). The backward's gathers (the pre-backward hook's, its prefetches, and
-activation checkpointing's recomputation, which reuses them) are full precision: ZeRO++ sends them quantized only
-where hpZ's secondary copy does not serve them, and hpZ is not implemented here. ``gathered`` (state dicts,
+activation checkpointing's recomputation, which reuses them) are full precision (ZeRO++ sends them quantized where
+hpZ's secondary copy does not serve them; here they are not quantized), and with hpZ they come from the secondary
+shards the forward kept, which hold the dequantized values it computed with (unit_state.py, [Note: hpZ's secondary
+shards]). ``gathered`` (state dicts,
 ``gathered_parameters``, checkpoints) and everything after fit see the exact values: a unit gathered quantized is
 gathered again in full precision there. The optimizer updates the fp32 masters from gradients computed through the
 quantized forward; the masters themselves never hold quantized values.
@@ -103,6 +105,8 @@ class ShardedParams:
         for unit in self.all_units:
             unit.pool = self.pool
             unit.weight_format = BlockFormat(bits=8) if config.quantize_weights else None
+        for unit in self.units:  # the root unit stays gathered from forward to backward: no secondary
+            unit.hpz = comms.hpz
         self._done: set[Unit] = set()
         self._next_reduce = 0
         self._reductions = BucketReductions(comms, self.pool, self.grad_shards)
@@ -148,24 +152,26 @@ class ShardedParams:
         def hook(_module: nn.Module, _args: tuple, output):
             if _in_backward() or self._holding:
                 return
+            needing_grad = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
             if not torch.is_grad_enabled() or self.config.reshard_after_forward:
+                if torch.is_grad_enabled() and needing_grad:
+                    unit.keep_secondary()  # hpZ: what the backward gathers from (nothing to do without it)
                 unit.reshard()
             if torch.is_grad_enabled():
-                for tensor in tree_flatten(output)[0]:
-                    if isinstance(tensor, Tensor) and tensor.requires_grad:
-                        tensor.register_hook(self._pre_backward_hook(unit))
+                for tensor in needing_grad:
+                    tensor.register_hook(self._pre_backward_hook(unit))
             return
 
         return hook
 
-    def _prefetch_after(self, unit: Unit, order: list[Unit], quantized: bool = False) -> None:
+    def _prefetch_after(self, unit: Unit, order: list[Unit], quantized: bool = False, backward: bool = False) -> None:
         if unit not in order:
             return
         start = order.index(unit) + 1
         for candidate in order[start : start + self.config.prefetch]:
             if sum(u.state is not UnitState.SHARDED for u in self.units) > self.config.prefetch:
                 break
-            candidate.start_unshard(quantized)
+            candidate.start_unshard(quantized, backward)
 
     # --------------------------------------------------------------------------------------------------- backward
 
@@ -174,7 +180,7 @@ class ShardedParams:
             if unit.state is UnitState.BACKWARD or unit in self._done:
                 return
             unit.enter_backward(self._input_grad_calls.pop(unit, 0))
-            self._prefetch_after(unit, self._forward_order[::-1])
+            self._prefetch_after(unit, self._forward_order[::-1], backward=True)
 
         return hook
 
@@ -234,6 +240,7 @@ class ShardedParams:
         self.grad_shards.settle()
         for unit in self.units:
             unit.reshard()
+            unit.drop_secondary()  # hpZ: backward is over; a unit it never reached kept one for nothing
         self._done.clear()
         self._next_reduce = 0
 
@@ -304,6 +311,8 @@ class ShardedParams:
         a step, manual optimization's later forwards, ``gathered_parameters``) is gathered again now."""
         stepped = set(stepped)
         for unit in self.all_units:
+            if any(s in stepped for s in unit.shards):
+                unit.drop_secondary()  # hpZ: it holds the values before the update
             if unit.state is not UnitState.SHARDED and any(s in stepped for s in unit.shards):
                 unit.refresh()
 
@@ -318,6 +327,8 @@ class ShardedParams:
         if self._forward_order:
             self._last_order, self._forward_order = self._forward_order, []
         self._input_grad_calls.clear()
+        for unit in self.units:
+            unit.drop_secondary()
         if not self._holding:
             for unit in self.all_units:
                 unit.reshard()
@@ -329,6 +340,7 @@ class ShardedParams:
             yield
             return
         for unit in self.all_units:
+            unit.drop_secondary()  # hpZ: edits made while gathered would make it stale
             if unit.quantized:  # gathered for a forward under qwZ: the exact values are wanted here
                 unit.reshard()
             unit.wait_unshard()
@@ -342,6 +354,10 @@ class ShardedParams:
 
     def grad_buffers(self) -> list[Tensor]:
         return self.grad_shards.buffers()
+
+    def secondary_shards(self) -> list[Tensor]:
+        """hpZ's secondary shards held now (see [Note: hpZ's secondary shards] in unit_state.py)."""
+        return [t for unit in self.units for t in unit.secondary_shards()]
 
     def kept_buffers(self) -> list[Tensor]:
         """The free gather and reduction buffers the pool keeps (see [Note: what the buffer pools keep, and where])."""

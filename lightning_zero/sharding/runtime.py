@@ -295,13 +295,15 @@ class ZeroRuntime:
 
     def held_tensors(self) -> dict[str, Any]:
         """What the module's parameters and the optimizers' state do not show, for ``memory.model_state_bytes``:
-        standalone local shards (stage 3), fp32 masters (optimizer state, as the ZeRO paper counts them; every
+        standalone local shards (stage 3) and hpZ's secondary shards, fp32 masters (optimizer state, as the ZeRO paper counts them; every
         master once offloaded), gradient shard storage, and which of them live on the host."""
         offloaded = self.offload is not None
         masters = [s.local for s in self.shards if offloaded or s.local.dtype != s.dtype]
         optimizers = [o.optimizer for o in self.optimizers.values()]
         disk = self.offload.disk_tensors(optimizers) if offloaded else []
         locals_ = [s.gather_source for s in self.shards if not offloaded and s.local.dtype == s.dtype]
+        if isinstance(self.parameters, ShardedParams):
+            locals_ += self.parameters.secondary_shards()  # hpZ, from a unit's forward to its backward
         working = [s.working for s in self.shards if offloaded and s.working is not None]
         host = list(masters) if offloaded else []
         if offloaded:

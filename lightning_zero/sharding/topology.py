@@ -38,8 +38,9 @@ At 2 nodes x 2 ranks (node_size 2), flat ZeRO-3 on gloo sends ``2/3`` of its red
 across (two of a rank's three peers are on the other node): per step ``2 * b * (3 S_units + 2 S_root)`` with ``S``
 the elements of a rank's segment (``S = Psi/4`` padded, the root unit gathered once a step); with
 ``shard_group_size=2`` nothing of the shard group crosses, only the replica all-reduce of the gradient shard (a ring
-of 2: the whole segment, ``Psi/2`` padded, to the other node): ``b * Psi/2``. Small all-reduces (norm, flags) are
-counted too, by the ring model.
+of 2: the whole segment, ``Psi/2`` padded, to the other node): ``b * Psi/2``. With ``hpz_group_size=2`` (flat),
+the units' backward gathers run inside each node (unit_state.py, [Note: hpZ's secondary shards]): ``2 * b * (2
+S_units + 2 S_root)``. Small all-reduces (norm, flags) are counted too, by the ring model.
 """
 
 from __future__ import annotations
@@ -58,21 +59,36 @@ class Topology:
     rank: int
     shard_group_size: int
     node_size: int
+    #: hpZ: consecutive ranks sharing the secondary shards of the units' weights (``None``: off; see [Note: hpZ's
+    #: secondary shards] in unit_state.py).
+    hpz_group_size: int | None = None
 
     @classmethod
     def make(cls, world_size: int, rank: int, shard_group_size: int | None, node_size: int | None,
-             host_ranks: int) -> Topology:
+             host_ranks: int, hpz_group_size: int | None = None) -> Topology:
         """From the options (``None``: flat sharding; the node size from the options, else ``shard_group_size``
-        under hybrid sharding, else ``host_ranks``, the ranks Lightning starts on one host). Raises, naming the
-        option, unless each divides the world size."""
+        under hybrid sharding, else ``hpz_group_size`` under hpZ, else ``host_ranks``, the ranks Lightning starts on
+        one host). Raises, naming the option, unless each divides the world size and ``hpz_group_size`` divides the
+        shard group size and is smaller."""
         group = world_size if shard_group_size is None else shard_group_size
         _check_divides("shard_group_size", group, world_size)
         if node_size is None:
-            node_size = shard_group_size if shard_group_size is not None else host_ranks
+            node_size = next(size for size in (shard_group_size, hpz_group_size, host_ranks) if size is not None)
             if world_size % node_size:  # one host holding a part of the world only: the world is the node
                 node_size = world_size
         _check_divides("node_size", node_size, world_size)
-        return cls(world_size, rank, group, node_size)
+        if hpz_group_size is not None and (hpz_group_size >= group or group % hpz_group_size):
+            allowed = ", ".join(str(d) for d in range(1, group) if group % d == 0) or "none"
+            raise ZeroConfigError(
+                f"hpz_group_size={hpz_group_size} is invalid for a shard group of {group} ranks (world {world_size}): "
+                f"it must divide the shard group size and be smaller (allowed: {allowed})"
+            )
+        return cls(world_size, rank, group, node_size, hpz_group_size)
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether process groups other than the world are needed (hybrid sharding, hpZ)."""
+        return self.hybrid or self.hpz_group_size is not None
 
     @property
     def hybrid(self) -> bool:
@@ -100,6 +116,16 @@ class Topology:
     def replica_groups(self) -> list[list[int]]:
         k = self.shard_group_size
         return [list(range(p, self.world_size, k)) for p in range(k)]
+
+    def hpz_groups(self) -> list[list[int]]:
+        """hpZ's groups: consecutive ranks, each group inside one shard group (``hpz_group_size`` divides it)."""
+        k = self.hpz_group_size
+        return [list(range(g * k, (g + 1) * k)) for g in range(self.world_size // k)] if k is not None else []
+
+    @property
+    def hpz_group(self) -> int:
+        """Which of ``hpz_groups`` this rank belongs to."""
+        return self.rank // self.hpz_group_size
 
 
 def _check_divides(name: str, value: int, world_size: int) -> None:

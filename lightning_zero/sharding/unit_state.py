@@ -21,6 +21,23 @@ gathered the unit. A view of a full parameter kept past a reshard by user code h
 not be read (CUDA reports an illegal memory access; on a host it may crash); keep a ``.clone()`` instead. A storage
 that a NumPy array shares (``.numpy()`` of a full parameter makes it non-resizable) is left to the array, and the
 next gather fills a new one.
+
+[Note: hpZ's secondary shards]
+ZeRO++'s hpZ (``hpz_group_size=K2``): the backward all-gather of a unit is the same tensor its forward gathered, so
+instead of gathering it again over the shard group (whose ranks span nodes), each rank keeps a slice of it. When a
+unit's forward ends (``keep_secondary``, before the reshard; only in training, where its outputs need a gradient),
+each gather bucket's storage, ``F = N * S`` elements (parameter-major, with the padding: [Note: how a parameter is
+split] in flat_param.py), is viewed as ``(K2, F / K2)`` and the rank at position ``j`` of its hpZ group (``K2``
+consecutive ranks, normally one node, inside the shard group: ``K2`` divides ``N``) keeps row ``j``, a copy:
+``F * b / K2`` bytes per bucket, ``b`` the working dtype's bytes. The unit's backward gather (the pre-backward
+hook's, its prefetches, and activation checkpointing's recomputation, which reuses it) gives the storage its size
+back, writes row ``j`` into it and all-gathers the rows inside the hpZ group in place (``Collectives.all_gather_rows``):
+nothing to unpack, and nothing of it crosses nodes. Once that gather completes the secondary is freed. The values are
+the forward's bit for bit: flat zero3's backward gathers the same rows of the unchanged shards again, so training is
+bitwise flat zero3's; under qwZ the secondary holds the dequantized values the forward computed with, as
+``reshard_after_forward=False`` keeps them. A secondary nothing used (a unit whose outputs got no gradient) is freed
+after the backward (``post_backward``), at the end of the step, when the shards are updated or gathered for
+``gathered``. The root unit, gathered for the whole step, keeps none.
 """
 
 from __future__ import annotations
@@ -97,6 +114,13 @@ class Unit:
         #: call whose inputs' gradients do not exist yet.
         self.outstanding: Counter = Counter()
         self._gathers: list[BucketGather] = []
+        #: hpZ: the collectives over this rank's hpZ group (``None``: off), and per gather bucket this rank's row of
+        #: the storage kept from the forward, with whether it was gathered quantized (see [Note: hpZ's secondary
+        #: shards]); ``_from_secondary``: the gather in flight is the one from them.
+        self.hpz: Collectives | None = None
+        self._secondary: list[Tensor] | None = None
+        self._secondary_quantized = False
+        self._from_secondary = False
 
     def __repr__(self) -> str:
         return f"unit {self.name!r}"
@@ -106,12 +130,16 @@ class Unit:
             names = " or ".join(s.name for s in states)
             raise AssertionError(f"{self}: expected state {names}, found {self.state.name}")
 
-    def start_unshard(self, quantized: bool = False) -> None:
+    def start_unshard(self, quantized: bool = False, backward: bool = False) -> None:
         """Issue the all-gather of this unit's shards, unless it is already gathered or on its way; ``quantized``:
-        in ``weight_format``, if set (a forward's gather under qwZ)."""
+        in ``weight_format``, if set (a forward's gather under qwZ); ``backward``: from the secondary shards, if the
+        forward kept them (hpZ)."""
         if self.state is not UnitState.SHARDED:
             return
         guard = self.announce("gather", self) if self.gather_buckets else None
+        if backward and self._secondary is not None:
+            self._gather_secondary(guard)
+            return
         fmt = self.weight_format if quantized else None
         with self.staged(self.shards) as sources:
             source_of = dict(zip(self.shards, sources)) if sources is not None else None
@@ -124,24 +152,67 @@ class Unit:
         self.quantized = fmt is not None
         self.state = UnitState.GATHERING
 
-    def wait_unshard(self, quantized: bool = False) -> None:
-        """Make the full parameters usable, gathering now if no prefetch did (``quantized``: see ``start_unshard``;
-        a gather already issued keeps its own)."""
-        self.start_unshard(quantized)
+    def wait_unshard(self, quantized: bool = False, backward: bool = False) -> None:
+        """Make the full parameters usable, gathering now if no prefetch did (``quantized``, ``backward``: see
+        ``start_unshard``; a gather already issued keeps its own)."""
+        self.start_unshard(quantized, backward)
         if self.state is not UnitState.GATHERING:
             return
         for i, (bucket, gather) in enumerate(zip(self.gather_buckets, self._gathers)):
-            storage = self._storages[i]
-            if storage is None:
-                storage = self._storages[i] = bucket.empty()
+            if self._from_secondary:  # gathered in place into the storage: parameter-major already
+                pieces = bucket.storage_pieces(gather.complete(lambda table: table.view(-1)))
             else:
-                storage.untyped_storage().resize_(storage.nbytes)
-            pieces = gather.complete(partial(bucket.unpack_to_storage, storage=storage))
+                pieces = gather.complete(partial(bucket.unpack_to_storage, storage=self._sized_storage(i)))
             for shard, piece in zip(bucket.shards, pieces):
                 shard.to_unsharded(piece)
                 shard.mark_written()
         self._gathers = []
+        if self._from_secondary:
+            self._from_secondary = False
+            self.drop_secondary()  # served its one backward gather
         self.state = UnitState.UNSHARDED
+
+    def _sized_storage(self, i: int) -> Tensor:
+        """Gather bucket ``i``'s storage with its full size again (a new one if a NumPy array kept the last)."""
+        storage = self._storages[i]
+        if storage is None:
+            storage = self._storages[i] = self.gather_buckets[i].empty()
+        else:
+            storage.untyped_storage().resize_(storage.nbytes)
+        return storage
+
+    # ------------------------------------------------------------------------------------------------------ hpZ
+
+    def keep_secondary(self) -> None:
+        """At the end of the unit's forward (gathered): keep this rank's row of each bucket's storage for the
+        backward gather (see [Note: hpZ's secondary shards])."""
+        if self.hpz is None:
+            return
+        self._expect(UnitState.UNSHARDED)
+        k, j = self.hpz.world_size, self.hpz.rank
+        self._secondary = [storage.view(k, -1)[j].clone() for storage in self._storages]
+        self._secondary_quantized = self.quantized
+
+    def drop_secondary(self) -> None:
+        self._secondary = None
+
+    def secondary_shards(self) -> list[Tensor]:
+        """The secondary shards held now (for ``model_state_bytes``)."""
+        return list(self._secondary or [])
+
+    def _gather_secondary(self, guard: Callable[[], None] | None) -> None:
+        """Issue the backward gather from the secondary shards, in place in each bucket's storage, inside the hpZ
+        group."""
+        hpz = self.hpz
+        self._gathers = []
+        for i, (bucket, row) in enumerate(zip(self.gather_buckets, self._secondary)):
+            table = self._sized_storage(i).view(hpz.world_size, -1)
+            table[hpz.rank].copy_(row)
+            gathered = hpz.all_gather_rows(table, f"the secondary shard of {bucket.shards[0].name}", guard=guard)
+            self._gathers.append(BucketGather(gathered, self.pool, None))
+        self.quantized = self._secondary_quantized
+        self._from_secondary = True
+        self.state = UnitState.GATHERING
 
     def reshard(self, keep_edits: bool = True) -> None:
         """Free the full parameters (a gather in flight is completed first, to keep ranks' collectives aligned).
@@ -177,7 +248,7 @@ class Unit:
         step whose inputs need a gradient)."""
         if self.state is UnitState.BACKWARD:
             return
-        self.wait_unshard()
+        self.wait_unshard(backward=True)
         self._expect(UnitState.UNSHARDED)
         self.outstanding = Counter(s for s in self.shards if s.trainable)
         if input_grad_calls:

@@ -176,6 +176,7 @@ def test_the_repository_root_holds_the_config_tree_the_command_offers(capfd):
         ("gpt_large_zero3", 3, "lightning_zero.models.GPTConfig"),
         ("gpt_medium_zero3_offload", 3, "lightning_zero.models.GPTConfig"),
         ("gpt_small_zero3_hybrid", 3, "lightning_zero.models.GPTConfig"),
+        ("gpt_small_zero3_hpz", 3, "lightning_zero.models.GPTConfig"),
     ],
 )
 def test_recipe_composes(recipe, strategy, model):
@@ -234,7 +235,7 @@ BAD_INPUT = [
     ("trainer.precision=fp17", "trainer.precision='fp17' is invalid: allowed values are 32-true, bf16-mixed, 16-mixed"),
     ("trainer.precision=bf16-true", "trainer.precision='bf16-true' is invalid: allowed values are 32-true"),
     ("strategy=zero5", "strategy=zero5 is not an option: allowed values are auto, ddp, zero1, zero1_offload, zero2, "
-     "zero2_offload, zero3, zero3_hybrid, zero3_offload, zero3_offload_disk"),
+     "zero2_offload, zero3, zero3_hpz, zero3_hybrid, zero3_offload, zero3_offload_disk"),
     ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_llama"),
     ("recipe=nope", "recipe=nope is not an option: allowed values are gpt_large_zero3, gpt_long_context_ac, "
      "gpt_medium_zero3_offload, gpt_small_zero3"),
@@ -281,7 +282,8 @@ def test_train_help_lists_the_config_groups(capfd):
     assert main(["train", "--help"]) == 0
     out = capfd.readouterr().out
     assert (
-        "strategy: auto, ddp, zero1, zero1_offload, zero2, zero2_offload, zero3, zero3_hybrid, zero3_offload, zero3_offload_disk"
+        "strategy: auto, ddp, zero1, zero1_offload, zero2, zero2_offload, zero3, zero3_hpz, zero3_hybrid, zero3_offload, "
+        "zero3_offload_disk"
     ) in out
     assert "recipe: gpt_large_zero3, gpt_long_context_ac, gpt_medium_zero3_offload, gpt_small_zero3, " in out
 
@@ -361,6 +363,22 @@ def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
     assert line.split()[2:4] == fmt((forward + 2 * psi * 4) // 2).split(), line
     assert main(["estimate", "--params", "1B", "--quantize-weights"]) == 2
     assert "--quantize-weights needs --shard-group-size" in capfd.readouterr().err
+
+
+def test_estimate_with_hpz_gives_the_secondary_shards_bytes(capfd):
+    psi = GPTConfig().num_parameters
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--precision", "bf16-mixed",
+                 "--hpz-group-size", "2"]) == 0
+    line = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("hpZ"))
+    fmt = estimate.format_bytes
+    assert line == (f"hpZ (hpz_group_size=2, zero3): the secondary shards add {fmt(psi)} per rank from a unit's "
+                    f"forward to its backward (Psi * b / 2); the backward all-gather moves {fmt(psi)} per rank and "
+                    f"step inside groups of 2 ranks (none across them) instead of {fmt(2 * psi * 3 // 4)} over the 4 "
+                    "ranks that shard the model")
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "2",
+                 "--hpz-group-size", "2"]) == 2
+    assert "--hpz-group-size=2 is invalid for --shard-group-size=2: it must divide it and be smaller" in \
+        capfd.readouterr().err
 
 
 def test_estimate_says_when_nothing_fits(capfd):

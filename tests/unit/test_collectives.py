@@ -145,3 +145,31 @@ def test_abort_ends_the_group_only_where_nccl_serves_its_device(
     group = Group()
     Collectives(device=torch.device(device), group=group).abort()
     assert group.aborted == aborts
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_hpz_gathers_the_rows_in_place(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """hpZ's backward gather (``all_gather_rows``) hands NCCL's all-gather the table itself as output and this rank's
+    row of it as input (an in-place all-gather: nothing to unpack), or on gloo broadcasts each row from its rank;
+    counted as ``all_gather_hpz``, ``(n-1)/n`` of the table, all of it across nodes of one rank each."""
+    fake_process_group(monkeypatch, "gloo", world_size=4)
+    calls = []
+    monkeypatch.setattr(dist, "all_gather_single", lambda out, inp, group, async_op: calls.append((out, inp)) or "w")
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group, async_op: calls.append((t, src)) or "w")
+    comms = Collectives(device=torch.device("cpu"), node_size=1)
+    comms.native = native  # the algorithm NCCL would run (no CUDA here)
+    table = torch.zeros(4, 6)
+    gathered = comms.all_gather_rows(table, "the secondary shard of w")
+    if native:
+        assert len(calls) == 1
+        out, inp = calls[0]
+        assert (out.data_ptr(), out.numel()) == (table.data_ptr(), 24)
+        assert (inp.data_ptr(), inp.numel()) == (table[0].data_ptr(), 6)  # rank 0's row, inside the output
+    else:
+        assert [src for _, src in calls] == [0, 1, 2, 3]
+        assert all(t.data_ptr() == table[r].data_ptr() for r, (t, _) in enumerate(calls))
+    assert gathered.buffer is table and gathered.works == (["w"] if native else ["w"] * 4)
+    stats = comms.stats.by_op["all_gather_hpz"]
+    assert (stats.calls, stats.bytes) == (1, 3 * 6 * 4)
+    # a ring sends (n-1)/n of the table to its next member; gloo's broadcasts send the row to each other member
+    assert stats.cross_bytes == 3 * 6 * 4

@@ -100,6 +100,7 @@ OPTION_VALUES: dict[str, Pair] = {
     ),
     "shard_group_size": (st.none() | st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([2.0, True, "2"])),
     "node_size": (st.none() | st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([4.0, False, "4"])),
+    "hpz_group_size": (st.none() | st.integers(1, 8), st.integers(max_value=0) | st.sampled_from([2.0, True, "2"])),
     "failure_timeout_s": _seconds(1.0, optional=True),
     "heartbeat_s": _seconds(0.0, optional=False),
 }
@@ -135,10 +136,20 @@ def _blamed(options: dict[str, tuple[Any, bool]]) -> set[str]:
         ({"quantize_weights", "stage"}, value["quantize_weights"] is True and value["stage"] != 3),
         ({"quantize_weights", "offload_optimizer", "offload_params"}, value["quantize_weights"] is True
          and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
+        ({"hpz_group_size", "stage", "offload_optimizer", "offload_params", "reshard_after_forward",
+          "shard_group_size"}, value["hpz_group_size"] is not None and _hpz_refused(value)),
         ({"heartbeat_s", "failure_timeout_s"}, value["failure_timeout_s"] is not None
          and not value["heartbeat_s"] < value["failure_timeout_s"]),
     ]
     return bad.union(*(names for names, broken in rules if broken and not names & bad))
+
+
+def _hpz_refused(value: dict[str, Any]) -> bool:
+    """hpZ needs stage 3, no offload, units freed after forward, and to fit a given shard group."""
+    hpz, group = value["hpz_group_size"], value["shard_group_size"]
+    offloaded = value["offload_optimizer"] is not None or value["offload_params"] is not None
+    misfit = group is not None and (hpz >= group or group % hpz)
+    return value["stage"] != 3 or offloaded or not value["reshard_after_forward"] or bool(misfit)
 
 
 def _names_one_of(message: str, names: set[str]) -> bool:

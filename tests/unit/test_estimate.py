@@ -313,3 +313,23 @@ def test_hybrid_communication_spans_flat_sharding_and_ddp():
     assert hybrid_communication_bytes("zero1", psi, 8, 4, 2)[1] == 2 * (psi // 4) * 2 // 2
     with pytest.raises(EstimateError, match="shard_group_size=3 is invalid for 8 ranks"):
         hybrid_communication_bytes("zero3", psi, 8, 3, 2)
+
+
+def test_hpz_secondary_shards_are_psi_b_over_k2():
+    from lightning_zero.estimate import hpz_bytes
+
+    assert hpz_bytes(1_000_000, "32-true", 8) == 500_000  # 4 bytes x 1M / 8
+    assert hpz_bytes(1_000_001, "bf16-mixed", 8) == 2 * 125_001  # the largest slice, rounded up
+    assert hpz_bytes(1_000_000, "16-mixed", 1) == 2_000_000  # a group of one keeps the whole unit
+    with pytest.raises(EstimateError, match=r"^hpz_group_size=0 is invalid: it must be an integer >= 1"):
+        hpz_bytes(1_000, "32-true", 0)
+
+
+def test_peak_of_a_zero3_step_with_hpz_adds_the_units_secondary_shards():
+    plain = peak_estimate("zero3", N_PARAMS, 4, STEP, batch=3, bucket_mb=1.0)
+    hpz = peak_estimate("zero3", N_PARAMS, 4, STEP, batch=3, bucket_mb=1.0, hpz_group_size=2)
+    secondaries = 4 * (N_PARAMS - 250_000) // 2  # every unit's elements but the root unit's, fp32, over K2
+    assert hpz.terms["secondaries"] == secondaries and "secondaries" not in plain.terms
+    assert hpz.phases["steady_step"] == plain.phases["steady_step"] + secondaries
+    assert hpz.phases["setup"] == plain.phases["setup"]  # transient: from a forward to its backward only
+    assert peak_estimate("zero2", N_PARAMS, 4, STEP, batch=3, hpz_group_size=2).terms["secondaries"] == 0

@@ -43,6 +43,25 @@ def test_three_groups_of_two() -> None:
     assert (topology.shard_rank, topology.replica_rank) == (0, 2)
 
 
+def test_hpz_groups_are_consecutive_ranks_inside_the_shard_group() -> None:
+    flat = Topology.make(8, 5, shard_group_size=None, node_size=None, host_ranks=8, hpz_group_size=2)
+    assert flat.hpz_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]] and flat.hpz_group == 2
+    assert flat.node_size == 2 and flat.needs_groups and not flat.hybrid  # a node is the hpZ group unless given
+    hybrid = Topology.make(8, 6, shard_group_size=4, node_size=None, host_ranks=8, hpz_group_size=2)
+    assert hybrid.hpz_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]] and hybrid.node_size == 4
+    assert not Topology.make(8, 0, None, None, host_ranks=8).needs_groups
+
+
+@pytest.mark.parametrize(("group", "hpz", "allowed"), [(None, 4, "1, 2, 3"), (None, 6, "1, 2, 3"), (2, 2, "1"),
+                                                        (1, 1, "none")])
+def test_an_hpz_group_that_does_not_fit_the_shard_group_is_refused(group, hpz: int, allowed: str) -> None:
+    with pytest.raises(ZeroConfigError) as err:
+        Topology.make(6, 0, shard_group_size=group, node_size=None, host_ranks=6, hpz_group_size=hpz)
+    size = group or 6
+    assert str(err.value) == (f"hpz_group_size={hpz} is invalid for a shard group of {size} ranks (world 6): it must "
+                              f"divide the shard group size and be smaller (allowed: {allowed})")
+
+
 def test_ring_crosses_only_where_the_next_member_is_on_another_node() -> None:
     world = (0, 1, 2, 3)
     assert [Links(world, i, node_size=2).ring(100.0) for i in range(4)] == [0.0, 100.0, 0.0, 100.0]
