@@ -2,9 +2,18 @@
 
 Per training step it measures the model-state bytes each rank holds (parameters, gradients, optimizer states, counted
 from the tensors by ``lightning_zero.memory``, and where they live: device, host memory, disk), the bytes the
-strategy's collectives moved (``strategy.comm_stats``, when the strategy keeps one) and the throughput; it logs them
-through ``pl_module.log`` to whatever logger the Trainer has, and sets them against the memory model of
-``estimate.py``: what this option should hold, and what DDP would.
+strategy's collectives moved (``strategy.comm_stats``, when the strategy keeps one) and of them what crossed to other
+nodes, and the throughput; it logs them through ``pl_module.log`` to whatever logger the Trainer has, and sets them
+against the memory and communication models of ``estimate.py``: what this option should hold and move, and what DDP
+would hold.
+
+[Note: the monitor under hybrid sharding]
+With ``shard_group_size=K`` (sharding/topology.py, [Note: hybrid sharding]) a rank holds the model states of a flat
+run over a world of ``K``, not of the whole world: the memory model is the option's at ``K`` ranks. Its
+communication is the option's collectives inside the group of ``K`` plus the all-reduce of its gradient shard across
+the ``R = N / K`` replicas (``estimate.hybrid_communication_bytes``); the latter, ``2 Ψ_t b (R-1) / (K R)``, is what
+crosses between groups, set against ``comm_stats.cross_group_bytes`` (equal when each group is one node). DDP's
+column stays DDP's: every rank holds everything, whatever the topology.
 
 [Note: where the report comes from]
 Every rank measures; at the end of training rank 0 owns the summary (the memory figures are the largest over ranks).
@@ -54,6 +63,7 @@ class StepRecord:
     seconds: float
     comm_bytes: int | None
     items: int
+    cross_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,11 @@ class MonitorSummary:
     steps_timed: int
     placement: tuple[int, int, int] | None = None
     predicted_placement: tuple[int, int, int] | None = None
+    #: Hybrid sharding's group size (``None``: flat), and the bytes a rank sent to other nodes per step, measured
+    #: (``comm_stats.cross_group_bytes``) and modelled (between groups: see [Note: the monitor under hybrid sharding]).
+    shard_group_size: int | None = None
+    cross_bytes_per_step: int | None = None
+    ideal_cross_bytes_per_step: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -99,6 +114,7 @@ class _TimedStep:
     end: Any
     comm_bytes: int | None
     items: int
+    cross_bytes: int | None = None
 
 
 class _HostClock:
@@ -153,7 +169,7 @@ class ZeroMonitor(pl.Callback):
         self._timing: list[_TimedStep] = []
         self._clock: _HostClock | _CudaClock = _HostClock()
         self._held: tuple[int, ...] | None = None
-        self._step_start: tuple[Any, int | None] | None = None
+        self._step_start: tuple[Any, tuple[int, int | None] | None] | None = None
         self._items = 0
         self._last_global_step = 0
         self._unit = "samples/s"
@@ -178,9 +194,8 @@ class ZeroMonitor(pl.Callback):
         if trainer.global_step == self._last_global_step or self._step_start is None:
             return  # accumulating gradients: the optimizer step has not happened yet
         started, comm_at_start = self._step_start
-        comm_now = _comm_total(trainer)
-        comm = comm_now - comm_at_start if comm_now is not None and comm_at_start is not None else None
-        self._timing.append(_TimedStep(started, self._clock.mark(), comm, self._items))
+        comm, cross = _comm_since(comm_at_start, _comm_total(trainer))
+        self._timing.append(_TimedStep(started, self._clock.mark(), comm, self._items, cross))
         self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
         held = _held_bytes(trainer, pl_module)
         if self._held is None:  # optimizer states exist from the first step on; one gather is enough
@@ -218,7 +233,8 @@ class ZeroMonitor(pl.Callback):
         finished = []
         while self._timing and self._clock.passed(self._timing[0].end):
             timed = self._timing.pop(0)
-            finished.append(StepRecord(self._clock.seconds(timed.start, timed.end), timed.comm_bytes, timed.items))
+            finished.append(StepRecord(self._clock.seconds(timed.start, timed.end), timed.comm_bytes, timed.items,
+                                       timed.cross_bytes))
         self._steps.extend(finished)
         return finished
 
@@ -252,9 +268,12 @@ def format_report(s: MonitorSummary) -> str:
     fmt = estimate.format_bytes
     option = s.option or "unknown strategy"
     trainable = "" if s.trainable_params == s.num_params else f", {s.trainable_params:,} trainable"
+    group = s.shard_group_size
+    hybrid = (f", hybrid sharding: {s.world_size // group} replicas of {group} ranks (model states as at world "
+              f"size {group})") if group else ""
     lines = [
         f"ZeroMonitor: {option} on {s.world_size} rank(s), {s.steps} steps, precision {s.precision}, "
-        f"{s.num_params:,} parameters{trainable}",
+        f"{s.num_params:,} parameters{trainable}{hybrid}",
         f"  {'model states per rank':<22}{'measured':>14}{'model (' + option + ')':>18}{'DDP would hold':>18}",
     ]
     predicted = s.predicted or (None, None, None)
@@ -277,6 +296,11 @@ def format_report(s: MonitorSummary) -> str:
         ideal = s.ideal_comm_bytes_per_step
         versus = f" (model: {fmt(ideal)}, ratio {s.comm_bytes_per_step / ideal:.2f})" if ideal else ""
         lines.append(f"  communication per step and rank: {fmt(s.comm_bytes_per_step)}{versus}")
+    if s.cross_bytes_per_step is not None and (s.cross_bytes_per_step or s.ideal_cross_bytes_per_step):
+        ideal = s.ideal_cross_bytes_per_step
+        versus = f" (model, between shard groups: {fmt(ideal)}, ratio {s.cross_bytes_per_step / ideal:.2f})" if (
+            ideal) else ""
+        lines.append(f"  of it sent to other nodes: {fmt(s.cross_bytes_per_step)}{versus}")
     if s.throughput is not None:
         lines.append(
             f"  throughput: {s.throughput:,.0f} {s.throughput_unit} over all ranks "
@@ -299,26 +323,34 @@ def _summarize(
     option = option_of(trainer.strategy)
     precision = str(trainer.precision)
     n = trainer.world_size
+    group = _shard_group_size(trainer.strategy, n)
     num_params, trainable = _parameter_counts(pl_module)
     model = placement = None
     bucket_bytes = 0
+    config = getattr(trainer.strategy, "config", None)
     if option in estimate.LAYOUTS and precision in estimate.PRECISIONS:
-        config = getattr(trainer.strategy, "config", None)
         bucket_mb = config.comm.bucket_mb if option.startswith("zero") else 0.0
-        e = estimate.estimate(option, num_params, n, precision, bucket_mb, trainable, getattr(config, "offload", None),
-                              host_run=trainer.strategy.root_device.type == "cpu")
+        # Under hybrid sharding a rank holds what a flat run over its group would: see [Note: the monitor under
+        # hybrid sharding].
+        e = estimate.estimate(option, num_params, group or n, precision, bucket_mb, trainable,
+                              getattr(config, "offload", None), host_run=trainer.strategy.root_device.type == "cpu")
         model, bucket_bytes = (e.params, e.grads, e.optimizer), e.buckets
         placement = (e.device - e.buckets, e.host, e.disk)  # model states only, as measured
     ddp = estimate.estimate("ddp", num_params, n, _DDP_PRECISION, 0.0, trainable)
     # The first step pays one-off costs (allocating optimizer states and buffers): time the later ones when any.
     timed = steps[1:] or steps
     comm = [s.comm_bytes for s in timed if s.comm_bytes is not None]
+    cross = [s.cross_bytes for s in timed if s.cross_bytes is not None]
     element_bytes = next((p.element_size() for p in pl_module.parameters() if p.requires_grad), 4)
-    ideal = (
-        estimate.communication_bytes(option, num_params, n, element_bytes, trainable)
-        if option in estimate.LAYOUTS and comm
-        else None
-    )
+    ideal = ideal_cross = None
+    if option in estimate.LAYOUTS and comm:
+        quantized = isinstance(config, ZeroConfig) and config.stage3.quantize_weights
+        if group is None:
+            ideal = estimate.communication_bytes(option, num_params, n, element_bytes, trainable, quantized)
+        else:
+            inside, ideal_cross = estimate.hybrid_communication_bytes(option, num_params, n, group, element_bytes,
+                                                                      trainable, quantized)
+            ideal = inside + ideal_cross
     return MonitorSummary(
         option=option,
         precision=precision,
@@ -337,7 +369,17 @@ def _summarize(
         steps_timed=len(timed),
         placement=held[3:],
         predicted_placement=placement,
+        shard_group_size=group,
+        cross_bytes_per_step=int(statistics.median(cross)) if cross else None,
+        ideal_cross_bytes_per_step=ideal_cross,
     )
+
+
+def _shard_group_size(strategy: pl.strategies.Strategy, world_size: int) -> int | None:
+    """Hybrid sharding's group size when the strategy runs it (fewer ranks than the world), else ``None``."""
+    config = getattr(strategy, "config", None)
+    group = config.topology.shard_group_size if isinstance(config, ZeroConfig) else None
+    return group if group is not None and group < world_size else None
 
 
 def option_of(strategy: pl.strategies.Strategy) -> str | None:
@@ -384,9 +426,18 @@ def _largest_over_ranks(
     return tuple(int(v) for v in largest.tolist())
 
 
-def _comm_total(trainer: pl.Trainer) -> int | None:
+def _comm_total(trainer: pl.Trainer) -> tuple[int, int | None] | None:
+    """The strategy's byte counters so far, ``(total, sent to other nodes)``; ``None`` where it keeps none."""
     stats = getattr(trainer.strategy, "comm_stats", None)
-    return stats.total_bytes if stats is not None else None
+    return (stats.total_bytes, getattr(stats, "cross_group_bytes", None)) if stats is not None else None
+
+
+def _comm_since(start: tuple[int, int | None] | None, now: tuple[int, int | None] | None) -> tuple[int | None, ...]:
+    """Bytes moved and bytes sent to other nodes between two readings of ``_comm_total``."""
+    if start is None or now is None:
+        return None, None
+    cross = now[1] - start[1] if now[1] is not None and start[1] is not None else None
+    return now[0] - start[0], cross
 
 
 def _count_items(batch: Any) -> tuple[int, str]:

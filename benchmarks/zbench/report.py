@@ -453,7 +453,10 @@ def loss_table(results, summary) -> list[str]:
     return lines
 
 
-def render(results: dict, summary: dict, plot_rel: str | None) -> str:
+def render(results: dict, summary: dict, plot_rel: str | None, out_dir: str | None = None) -> str:
+    """BENCHMARKS.md's text; ``out_dir``: the directory it is written to (default: the repository root), which
+    relative image links start from."""
+    out_dir = out_dir or os.path.dirname(HERE)
     configs = results["configs"]
     main = next((c for c in configs if c["purpose"] == "main"), configs[0])
     m = results["machine"]
@@ -551,6 +554,8 @@ def render(results: dict, summary: dict, plot_rel: str | None) -> str:
         lines += memory_section()
     if os.path.exists(LIMIT_RESULTS) and not results.get("quick"):
         lines += limit_section()
+    if os.path.exists(ZEROPP_RESULTS) and not results.get("quick"):
+        lines += zeropp_section(out_dir)
     if os.path.exists(FINDINGS) and not results.get("quick"):
         with open(FINDINGS) as f:
             lines += [f.read().rstrip(), ""]
@@ -593,6 +598,29 @@ def limit_section() -> list[str]:
             "timings above.", "", text.rstrip(), ""]
 
 
+ZEROPP_RESULTS = os.path.join(HERE, "results", "zeropp.json")
+
+
+def zeropp_section(out_dir: str) -> list[str]:
+    """The last ``benchmarks/zeropp.py`` runs (bytes across nodes; ``--curves``: loss curves of the quantized
+    options), rendered by ``zeropp.render``; ``out_dir``: where BENCHMARKS.md goes, for the curves' PNG link."""
+    import json
+
+    from zeropp import render
+
+    with open(ZEROPP_RESULTS) as f:
+        results = json.load(f)
+    png = os.path.splitext(ZEROPP_RESULTS)[0] + "_curves.png"
+    png_rel = os.path.relpath(png, out_dir) if os.path.exists(png) else None
+    return ["## Beyond one node: hybrid sharding and ZeRO++ (`benchmarks/zeropp.py`)", "",
+            "Bytes a rank sends to the other node per step, from the strategy's accounting "
+            "(`comm_stats.cross_group_bytes`) and from the rank processes' TCP sockets, beside the formulas, the step "
+            "time and FSDP2 flat and HSDP measured in the same run; and the loss curves of the quantized options "
+            "against two seeds of the unquantized run. Its own runs, separate from the timings above (re-run "
+            "`benchmarks/zeropp.py` and `benchmarks/zeropp.py --curves`, then `compare.py --report-only "
+            "benchmarks/results/full.json`).", "", render(results, png_rel).rstrip(), ""]
+
+
 GPU_RESULTS = os.path.join(HERE, "results", "gpu.json")
 
 
@@ -627,7 +655,7 @@ def write(results: dict, out: str, plot_path: str) -> dict:
         plot_rel = None
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        f.write(render(results, summary, plot_rel) + "\n")
+        f.write(render(results, summary, plot_rel, os.path.dirname(os.path.abspath(out))) + "\n")
     return summary
 
 

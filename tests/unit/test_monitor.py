@@ -154,3 +154,64 @@ def test_on_a_gpu_steps_are_timed_by_events_without_synchronizing(monkeypatch) -
     assert {e.stream for e in cuda.events} == {("compute stream", gpu)}
     assert [s.seconds for s in monitor._steps] == [0.1, 0.05, 0.1]
     assert monitor.summary.throughput == (640 + 320) / 2  # the median over the steps after the first
+
+
+def _fit_steps(config, world_size: int, steps: int = 3) -> ZeroMonitor:
+    """``steps`` steps of a run under ``config`` on ``world_size`` ranks, on the host, each moving 3000 bytes of which
+    500 cross to other nodes; the module records 1000 fp32 parameters."""
+    from types import SimpleNamespace
+
+    from lightning_zero.memory import ModelStateBytes
+
+    stats = SimpleNamespace(total_bytes=0, cross_group_bytes=0)
+    strategy = SimpleNamespace(config=config, root_device=torch.device("cpu"), comm_stats=stats,
+                               model_state_bytes=lambda: ModelStateBytes(2000, 2000, 4000),
+                               reduce=lambda tensor, reduce_op: tensor)
+    trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=world_size, precision="32-true")
+    module, monitor, batch = LoggingModule(), ZeroMonitor(), torch.zeros(2, 8, dtype=torch.long)
+    module.num_parameters = module.num_trainable_parameters = 1000
+    monitor.on_fit_start(trainer, module)
+    for _ in range(steps):
+        monitor.on_train_batch_start(trainer, module, batch, trainer.global_step)
+        trainer.global_step += 1
+        stats.total_bytes += 3000
+        stats.cross_group_bytes += 500
+        monitor.on_train_batch_end(trainer, module, None, batch, trainer.global_step - 1)
+    monitor.on_train_end(trainer, module)
+    assert module.logged[-1]["zero/comm_bytes_per_step"] == 3000.0
+    return monitor
+
+
+def test_under_hybrid_sharding_the_models_are_a_world_of_the_group_and_the_bytes_between_groups() -> None:
+    from lightning_zero import estimate
+    from lightning_zero.config import ZeroConfig
+
+    config = ZeroConfig.from_options(stage=3, shard_group_size=2)
+    summary = _fit_steps(config, world_size=4).summary
+    at_group = estimate.estimate("zero3", 1000, 2, "32-true", config.comm.bucket_mb, 1000, config.offload,
+                                 host_run=True)
+    at_world = estimate.estimate("zero3", 1000, 4, "32-true", config.comm.bucket_mb, 1000, config.offload,
+                                 host_run=True)
+    assert summary.predicted == (at_group.params, at_group.grads, at_group.optimizer) == (2000, 2000, 4000)
+    assert summary.predicted != (at_world.params, at_world.grads, at_world.optimizer)
+    # Inside the group of 2: zero3's (2 Psi + Psi_t)(K-1)/K elements of 4 bytes = 6000; across the 2 replicas the
+    # all-reduce of the half shard, 2 Psi_t b (R-1)/(K R) = 2000.
+    assert (summary.ideal_comm_bytes_per_step, summary.ideal_cross_bytes_per_step) == (8000, 2000)
+    assert (summary.comm_bytes_per_step, summary.cross_bytes_per_step, summary.shard_group_size) == (3000, 500, 2)
+    report = format_report(summary)
+    assert report.splitlines()[0].endswith(
+        "1,000 parameters, hybrid sharding: 2 replicas of 2 ranks (model states as at world size 2)")
+    assert "  of it sent to other nodes: 500 B (model, between shard groups: 1.95 KiB, ratio 0.25)" in report
+    assert MonitorSummary.from_json(summary.to_json()) == summary
+
+
+def test_flat_runs_keep_the_world_and_count_quantized_weight_gathers() -> None:
+    from lightning_zero import estimate
+    from lightning_zero.config import ZeroConfig
+
+    summary = _fit_steps(ZeroConfig.from_options(stage=3, quantize_weights=True), world_size=4).summary
+    assert summary.shard_group_size is None and summary.ideal_cross_bytes_per_step is None
+    assert summary.ideal_comm_bytes_per_step == estimate.communication_bytes("zero3", 1000, 4, 4, 1000, True)
+    assert summary.ideal_comm_bytes_per_step < estimate.communication_bytes("zero3", 1000, 4, 4, 1000)
+    assert summary.predicted[0] == 1000  # fp32 parameters sharded over the 4 ranks
+    assert "of it sent to other nodes: 500 B" in format_report(summary)

@@ -1,0 +1,44 @@
+"""benchmarks/zeropp.py without processes: its formulas of the bytes that cross nodes at 2 nodes x 2, and the curve
+table's verdicts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import zeropp  # noqa: E402
+
+
+def test_the_small_gpt_splits_into_blocks_and_root() -> None:
+    sizes = zeropp.sizes(zeropp.MODEL)
+    assert (sizes.units, sizes.root, sizes.psi) == (793_088, 49_408, 842_496)
+
+
+def test_cross_node_formulas_at_two_nodes_of_two() -> None:
+    s = zeropp.Sizes(units=800, root=200, b=4)
+    configs = {c.name: c for c in zeropp.CONFIGS}
+    half, tree = zeropp.AG_SHARE["topology.py"], zeropp.AG_SHARE["tree"]
+    # ZeRO-3: per all-gather a rank's quarter to 2 of 3 peers (1/2 of the bytes), gloo's tree 2.5 quarters (5/8);
+    # units gathered twice, the root once; the reduce-scatter's quarter to the 2 peers across.
+    assert configs["zero3"].gloo(s, half) == 0.5 * (2 * 800 + 200) * 4 + 0.5 * 1000 * 4 == 5600
+    assert configs["zero3"].gloo(s, tree) == 0.625 * (2 * 800 + 200) * 4 + 0.5 * 1000 * 4 == 6500
+    assert configs["zero1"].gloo(s, tree) == configs["zero2"].gloo(s, tree) == 1000 * 4 * (0.5 + 0.625)
+    # qwZ: the forward gather at 1 + 4/4096 bytes an element, the backward's at b.
+    assert configs["zero3_qwz"].gloo(s, half) == 0.5 * (1000 * (1 + 4 / 4096) + 800 * 4) + 2000
+    # Hybrid: the shard (Psi/2) all-reduced over a ring of 2, whatever the all-gather does.
+    for name in ("zero1_hybrid", "zero2_hybrid", "zero3_hybrid", "zero3_hybrid_qwz"):
+        assert configs[name].gloo(s, half) == configs[name].gloo(s, tree) == 2000
+
+
+def test_curve_table_checks_the_tolerance_and_twice_the_seed_spread() -> None:
+    def run(label, seed, tail_loss, tolerance=None):
+        return dict(label=label, seed=seed, tolerance=tolerance, losses=[9.0] * 10 + [tail_loss] * 4)
+
+    part = dict(started="now", command="c", model=zeropp.MODEL, steps=14, tail=4, runs=[
+        run("plain", 1, 2.00), run("plain", 2, 2.01), run("close", 1, 2.015, 0.01), run("far", 1, 2.03, 0.02)])
+    rows = [line for line in zeropp.render_curves(part, None) if line.startswith("| ")][1:]
+    assert rows[2] == "| close | 1 | 2.0150 | +0.75% | 1%: yes | yes |"  # 0.015 <= 2 x 0.01
+    assert rows[3] == "| far | 1 | 2.0300 | +1.50% | 2%: yes | NO |"  # 0.03 > 2 x 0.01
+    assert rows[1].startswith("| plain | 2 | 2.0100 | +0.50% | - | - |")
