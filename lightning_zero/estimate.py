@@ -47,9 +47,24 @@ only through the sub-groups it keeps resident):
   themselves (DDP, stages 1-2); stage 3 under ``configure_model`` materializes one unit at a time instead;
 * the communication buckets (``bucket_mb``), and under stage 3 the gathered units in flight: the root unit (gathered
   for the whole step), the unit computing and ``prefetch`` more, and one unit of full gradients being reduced;
+* under stage 3, the backward's reductions (``reductions``): the rank-major buffers of the ``MAX_IN_FLIGHT`` unit
+  reductions pending and of the next one being packed (the pool keeps that one on a host; the caching allocator on
+  CUDA), and the segments each pending reduction receives (gloo's exchange on a host: (N-1)/N of a unit; NCCL's
+  output: 1/N). With U the largest unit, N ranks and ``MAX_IN_FLIGHT`` = 2: 3U + 2U(N-1)/N on a host;
 * the activations at the run's micro-batch, measured on one real step at two tiny batches and scaled;
 * the optimizer step's workspace: torch's foreach Adam makes one fp32 temporary per element it updates (the square
   root of the second moment: 4Ψ/N under ZeRO, 4Ψ under DDP); offload steps one group of ``bucket_mb`` at a time.
+
+[Note: where stage 3's step peaks]
+Stage 3's step meets its peak in one of two moments, not in both: in the backward, where the activations not yet
+consumed, the units in flight and the reductions pending are held (counted on the 85M GPT of BENCHMARKS.md, 2 CPU
+ranks: one unit's full parameters, its full gradients, a prefetch's gather buffer, the pool's free buffer, two
+pending reductions' buffers and received segments, 7 units' bytes in all); or in the optimizer step, when those are
+freed and the workspace is allocated. So its step is the states, buckets and gathered units plus the larger of the
+backward's (activations and reductions) and the update's (workspace). Summed instead, the workspace of in-memory
+zero3 (4Ψ/N) hid the backward's reductions, and host offload, whose workspace is one group, measured 1.15x the sum
+without them (zero3_offload's steady step, BENCHMARKS.md). Stages 1 and 2 keep the sum: their reductions are
+bounded by ``bucket_mb``, and their full gradients (stage 1) or the last buckets' (stage 2) are held into the step.
 
 Setup adds to the eager model what it allocates: DDP its gradient buckets, stage 3 the parameter shards and one
 unit, offload the fp32 masters. Memory freed after a step stays with the process (glibc's heap on a CPU, the
@@ -66,6 +81,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lightning_zero import config
+from lightning_zero.sharding.collectives import MAX_IN_FLIGHT
 from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE
 from lightning_zero.step_measure import StepMeasure
 
@@ -406,8 +422,8 @@ class PeakEstimate:
 
     states: MemoryEstimate
     phases: dict[str, int]
-    #: The terms of the formula: baseline, eager model, states in memory, buckets, gathered units, activations,
-    #: the optimizer step's workspace.
+    #: The terms of the formula: baseline, eager model, states in memory, buckets, gathered units, stage 3's
+    #: reductions in flight, activations, the optimizer step's workspace.
     terms: dict[str, int]
     #: Whether the device is host memory (a CPU run): ``phases`` then counts the host's bytes too.
     shared_host: bool = True
@@ -452,12 +468,14 @@ def peak_estimate(
     if not shared_host:
         in_memory = e.device - e.buckets
     unit = measure.unit_elements * working
+    received = unit * (ranks - 1) // ranks if shared_host else -(-unit // ranks)
     terms = {
         "baseline": measure.baseline if shared_host else 0,
         "eager": num_params * measure.element_bytes if eager or layout.stage < 3 else unit,
         "states": in_memory,
         "buckets": e.buckets,
         "units": (measure.root_unit_elements * working + (prefetch + 2) * unit) if layout.stage == 3 else 0,
+        "reductions": (MAX_IN_FLIGHT + 1) * unit + MAX_IN_FLIGHT * received if layout.stage == 3 else 0,
         "activations": measure.activations(batch),
         "workspace": 4 * optim_elements if layout.offload_optimizer is None else
         min(e.buckets, 4 * optim_elements) if shared_host else 0,
@@ -466,8 +484,11 @@ def peak_estimate(
         unit_elements = num_params - measure.root_unit_elements if layout.stage == 3 else 0
         terms["secondaries"] = unit_elements * working // hpz_group_size
     t = terms
-    step = (t["baseline"] + t["states"] + t["buckets"] + t["units"] + t["activations"] + t["workspace"]
-            + t.get("secondaries", 0))
+    held = t["baseline"] + t["states"] + t["buckets"] + t["units"] + t.get("secondaries", 0)
+    if layout.stage == 3:  # see [Note: where stage 3's step peaks]
+        step = held + max(t["activations"] + t["reductions"], t["workspace"])
+    else:
+        step = held + t["activations"] + t["workspace"]
     made_at_setup = {0: e.grads, 3: (0 if layout.offload_params == "disk" else e.params) + unit}
     masters = 4 * optim_elements if layout.offload_optimizer is not None else 0
     setup = t["baseline"] + t["eager"] + made_at_setup.get(layout.stage, 0) + masters

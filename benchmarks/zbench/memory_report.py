@@ -121,7 +121,9 @@ def render(results: dict) -> str:
                 f"{_gib(f['anon'])} + {_gib(f['file'])}" if (f := row["phases"].get(p)) else "-" for p in PHASES) + " |")
     terms = est["formulas"]
     lines += ["", "Formula terms per option (MiB): baseline, eager model, model states in memory, buckets, gathered "
-              "units, activations, optimizer workspace (lightning_zero/estimate.py, [Note: the peak of a run]):", "",
+              "units, stage 3's reductions in flight, activations, optimizer workspace; a step adds them up, except "
+              "that stage 3's holds the larger of activations + reductions and workspace (lightning_zero/estimate.py, "
+              "[Note: the peak of a run], [Note: where stage 3's step peaks]):", "",
               "| option | " + " | ".join(next(iter(terms.values()))["terms"]) + " |",
               "|---" * (len(next(iter(terms.values()))["terms"]) + 1) + "|"]
     for option in dict.fromkeys(row["option"] for row in table):

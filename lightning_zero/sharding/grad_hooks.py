@@ -207,7 +207,10 @@ class BucketReductions:
         # gradient reduced in place (freed once its rows are stored), and off NCCL the segments it receives.
         holds_buffer = pooled is not None or not keep_full
         held = reduced.held_bytes + (buffer.numel() * buffer.element_size() if holds_buffer else 0)
-        self._in_flight.add(reduced, partial(self._store, bucket, grads, stored, pooled), held)
+        # Packed gradients are not kept until completion: only stage 1 stores into its full gradient, and a gradient
+        # reduced in place is the buffer itself (stage 3 held two units' full gradients here for nothing).
+        kept = grads if keep_full or pooled is None else [None] * len(grads)
+        self._in_flight.add(reduced, partial(self._store, bucket, kept, stored, pooled), held)
 
     def _store(self, bucket: Bucket, grads: list, stored: Sequence[bool], pooled: Tensor | None,
                reduced: list[Tensor]) -> None:
