@@ -81,10 +81,10 @@ class Sizes:
 
 
 #: Of the model's bytes, the share a rank sends across nodes per all-gather at 2 nodes x 2 (one broadcast per rank of
-#: its quarter): topology.py's model (the root sends to each member: 2 of 3 peers cross) and gloo's binomial tree
-#: (relative to the root, member i sends to i + 2^k for each 2^k > i: the root to +1 and +2, member +1 to +3), which
-#: the sockets show (see [Note: what the sockets show] in the report).
-AG_SHARE = {"topology.py": 2 / WORLD, "tree": 2.5 / WORLD}
+#: its quarter down gloo's binomial tree: relative to the root, member i sends to i + 2^k for each 2^k > i, so the
+#: root sends to +1 and +2 and member +1 to +3), on average over the ranks: 2.5 quarters. topology.py's ``Links``
+#: counts the same tree per rank (see [Note: what the sockets show] in the report).
+AG_SHARE = 2.5 / WORLD
 #: The share a rank sends across per reduce-scatter (the exchange: its quarter to each of 2 peers across).
 RS_SHARE = 2 / WORLD
 
@@ -408,29 +408,27 @@ def render_bytes(part: dict) -> list[str]:
         f"root), fp32 (b = {s.b}), {BATCH} x {part['model']['seq_len']} tokens a rank and step; KiB a rank sends to "
         f"the other node per step, the mean over the 4 ranks of {part['steps']} steps after {part['warmup']} "
         f"warm-up steps; commit {part.get('commit') or 'unknown'}. `a`: the share of the bytes a rank sends across "
-        "per all-gather (topology.py's model: 1/2; gloo's binomial-tree broadcast: 5/8).",
+        "per all-gather, 5/8 on average down gloo's binomial-tree broadcasts (topology.py counts the tree per rank).",
         "",
-        "| configuration | gloo formula | topology.py's model (a = 1/2) | comm_stats | sockets | sockets vs "
-        "comm_stats | tree model (a = 5/8) | sockets vs tree model | all sent (sockets) | cross / ZeRO-3 | paper (ring) "
-        "| step ms |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
+        "| configuration | gloo formula (a = 5/8) | formula | comm_stats | sockets | sockets vs comm_stats | sockets vs "
+        "formula | all sent (sockets) | cross / ZeRO-3 | paper (ring) | step ms |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for r in part["rows"]:
         config = next((c for c in CONFIGS if c.name == r["name"]), None)
         sock = statistics.fmean(r["socket_cross"])
         modelled = config is not None and config.gloo is not None
-        flat = config.gloo(s, AG_SHARE["topology.py"]) if modelled else None
-        tree = config.gloo(s, AG_SHARE["tree"]) if modelled else None
+        formula = config.gloo(s, AG_SHARE) if modelled else None
         stats = statistics.fmean(r["stats_cross"]) if "stats_cross" in r else None
         cells = [
-            r["label"], config.gloo_text if config else "", _kib(flat) if modelled else "-",
+            r["label"], config.gloo_text if config else "", _kib(formula) if modelled else "-",
             _kib(stats) if stats is not None else "-", _kib(sock), _pct(sock, stats) if stats is not None else "-",
-            _kib(tree) if modelled else "-", _pct(sock, tree) if modelled else "-",
+            _pct(sock, formula) if modelled else "-",
             _kib(statistics.fmean(r["socket_total"])), f"{sock / base_cross:.3f}" if base_cross else "-",
             config.paper if config else "", f"{1000 * r['step_s']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [f"| {f['label']} | failed: `{f['error'][-300:]}` |" + " |" * 10 for f in part.get("failed", [])]
+    lines += [f"| {f['label']} | failed: `{f['error'][-300:]}` |" + " |" * 9 for f in part.get("failed", [])]
     spread = [(r["label"], min(r["socket_cross"]), max(r["socket_cross"])) for r in part["rows"]
               if max(r["socket_cross"]) - min(r["socket_cross"]) > 0.01 * max(1.0, statistics.fmean(r["socket_cross"]))]
     lines += ["", "Step ms: per step the slowest rank's time, the median over the measured steps. The 4 ranks are "

@@ -558,7 +558,10 @@ class Collectives:
         its bytes under ``op``."""
         n = self.world_size
         nbytes = table.numel() * table.element_size()
-        cross = self.links.ring(nbytes * (n - 1) / n) if self.native else self.links.to_each(nbytes / n)
+        if self.native:
+            cross = self.links.ring(nbytes * (n - 1) / n)
+        else:  # one broadcast per row, each down gloo's tree from its rank
+            cross = sum(self.links.broadcast(nbytes / n, r, chain=False) for r in range(n))
         self.stats.record(op, nbytes * (n - 1) / n, nbytes * (n - 1) / n, cross)
         if self.native:
             gather = _native("all_gather_single", "all_gather_into_tensor")

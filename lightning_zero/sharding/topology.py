@@ -29,18 +29,21 @@ algorithm that runs it; ``Links`` holds the per-algorithm models:
 - ring (NCCL's reduce-scatter, all-gather and all-reduce, gloo's all-reduce): the group's ranks form a ring in group
   order and a rank sends everything it sends to the next member: ``(n-1)/n`` of the buffer for a reduce-scatter or
   an all-gather, ``2(n-1)/n`` for an all-reduce. All of it crosses if that member is on another node, none otherwise.
-- direct (the exchange gloo's reduce-scatter runs, and gloo's all-gather as one broadcast per rank): a rank sends
-  its segment (``1/n`` of the buffer) straight to each other member; it crosses for each member on another node.
-- broadcast: on gloo the root sends the tensor to each member (crossing for each one on another node); on NCCL a
-  chain in group order from the root, each member but the last forwarding it to the next.
+- direct (the exchange gloo's reduce-scatter runs): a rank sends its segment (``1/n`` of the buffer) straight to
+  each other member; it crosses for each member on another node.
+- broadcast: on gloo a binomial tree (gloo/broadcast.cc): counted from the root, member ``v`` sends the tensor to
+  ``v + 2**i`` for every ``2**i > v`` inside the group; gloo's all-gather is one such broadcast per rank's row. On
+  NCCL a chain in group order from the root, each member but the last forwarding it to the next.
 
-At 2 nodes x 2 ranks (node_size 2), flat ZeRO-3 on gloo sends ``2/3`` of its reduce-scatter and all-gather bytes
-across (two of a rank's three peers are on the other node): per step ``2 * b * (3 S_units + 2 S_root)`` with ``S``
-the elements of a rank's segment (``S = Psi/4`` padded, the root unit gathered once a step); with
-``shard_group_size=2`` nothing of the shard group crosses, only the replica all-reduce of the gradient shard (a ring
-of 2: the whole segment, ``Psi/2`` padded, to the other node): ``b * Psi/2``. With ``hpz_group_size=2`` (flat),
-the units' backward gathers run inside each node (unit_state.py, [Note: hpZ's secondary shards]): ``2 * b * (2
-S_units + 2 S_root)``. Small all-reduces (norm, flags) are counted too, by the ring model.
+At 2 nodes x 2 ranks (node_size 2), flat ZeRO-3 on gloo sends ``2/3`` of its reduce-scatter bytes across (two of a
+rank's three peers are on the other node), and of an all-gather's four rows ``c = 2`` segments from ranks 0 and 2,
+``c = 3`` from ranks 1 and 3 (5/8 of the buffer on average; checked against the sockets by benchmarks/zeropp.py):
+per step ``b * ((2 + 2c) S_units + (2 + c) S_root)`` with ``S`` the elements of a rank's segment (``S = Psi/4``
+padded, the root unit gathered once a step). With ``shard_group_size=2`` nothing of the shard group crosses, only the
+replica all-reduce of the gradient shard (a ring of 2: the whole segment, ``Psi/2`` padded, to the other node):
+``b * Psi/2``. With ``hpz_group_size=2`` (flat), the units' backward gathers run inside each node (unit_state.py,
+[Note: hpZ's secondary shards]): ``b * ((2 + c) S_units + (2 + c) S_root)``. Small all-reduces (norm, flags) are
+counted too, by the ring model.
 """
 
 from __future__ import annotations
@@ -162,10 +165,16 @@ class Links:
         return nbytes * sum(self._crosses(p) for p in range(len(self.members)) if p != self.index)
 
     def broadcast(self, nbytes: float, root: int, chain: bool) -> float:
-        """A broadcast of ``nbytes`` from group rank ``root``: a chain in group order (NCCL), or the root sending to
-        each member (gloo)."""
+        """A broadcast of ``nbytes`` from group rank ``root``: a chain in group order (NCCL), or gloo's binomial
+        tree: counted from the root (``v``), a member sends to ``v + 2**i`` for every ``2**i > v`` inside the
+        group, so the root sends ``ceil(log2 n)`` copies and the members it reached forward them."""
         n = len(self.members)
         if not chain:
-            return self.to_each(nbytes) if self.index == root else 0.0
+            v, sent, step = (self.index - root) % n, 0.0, 1
+            while step < n:
+                if v < step and v + step < n:
+                    sent += nbytes * self._crosses((v + step + root) % n)
+                step *= 2
+            return sent
         following = (self.index + 1) % n
         return nbytes if n > 1 and following != root and self._crosses(following) else 0.0

@@ -76,8 +76,14 @@ def test_direct_sends_cross_once_per_member_on_another_node() -> None:
     assert Links((0, 2), 0, node_size=2).to_each(10.0) == 10.0
 
 
-def test_broadcast_from_the_root_or_along_a_chain() -> None:
+def test_broadcast_down_gloos_tree_or_along_a_chain() -> None:
     world = (0, 1, 2, 3)
-    assert [Links(world, i, 2).broadcast(8.0, root=0, chain=False) for i in range(4)] == [16.0, 0.0, 0.0, 0.0]
+    # gloo's binomial tree from 0: 0 -> 1, then 0 -> 2 and 1 -> 3; 0 -> 2 and 1 -> 3 cross.
+    assert [Links(world, i, 2).broadcast(8.0, root=0, chain=False) for i in range(4)] == [8.0, 8.0, 0.0, 0.0]
+    # From 1, counted from it (1, 2, 3, 0): 1 -> 2, then 1 -> 3 and 2 -> 0: all three cross.
+    assert [Links(world, i, 2).broadcast(8.0, root=1, chain=False) for i in range(4)] == [0.0, 16.0, 8.0, 0.0]
+    # 6 members from 0: 0 -> 1, 0 -> 2, 1 -> 3, 0 -> 4, 1 -> 5 (nodes of 3: 0-2 | 3-5).
+    six = (0, 1, 2, 3, 4, 5)
+    assert [Links(six, i, 3).broadcast(1.0, root=0, chain=False) for i in range(6)] == [1.0, 2.0, 0.0, 0.0, 0.0, 0.0]
     # NCCL's chain 0 -> 1 -> 2 -> 3: only 1 -> 2 crosses; 3 does not send back to the root.
     assert [Links(world, i, 2).broadcast(8.0, root=0, chain=True) for i in range(4)] == [0.0, 8.0, 0.0, 0.0]

@@ -19,17 +19,16 @@ def test_the_small_gpt_splits_into_blocks_and_root() -> None:
 def test_cross_node_formulas_at_two_nodes_of_two() -> None:
     s = zeropp.Sizes(units=800, root=200, b=4)
     configs = {c.name: c for c in zeropp.CONFIGS}
-    half, tree = zeropp.AG_SHARE["topology.py"], zeropp.AG_SHARE["tree"]
-    # ZeRO-3: per all-gather a rank's quarter to 2 of 3 peers (1/2 of the bytes), gloo's tree 2.5 quarters (5/8);
-    # units gathered twice, the root once; the reduce-scatter's quarter to the 2 peers across.
-    assert configs["zero3"].gloo(s, half) == 0.5 * (2 * 800 + 200) * 4 + 0.5 * 1000 * 4 == 5600
-    assert configs["zero3"].gloo(s, tree) == 0.625 * (2 * 800 + 200) * 4 + 0.5 * 1000 * 4 == 6500
-    assert configs["zero1"].gloo(s, tree) == configs["zero2"].gloo(s, tree) == 1000 * 4 * (0.5 + 0.625)
+    a = zeropp.AG_SHARE
+    # ZeRO-3: per all-gather gloo's tree sends 2.5 of the 4 quarters across on average (5/8); units gathered twice,
+    # the root once; the reduce-scatter's quarter to the 2 peers across.
+    assert configs["zero3"].gloo(s, a) == 0.625 * (2 * 800 + 200) * 4 + 0.5 * 1000 * 4 == 6500
+    assert configs["zero1"].gloo(s, a) == configs["zero2"].gloo(s, a) == 1000 * 4 * (0.5 + 0.625)
     # qwZ: the forward gather at 1 + 4/4096 bytes an element, the backward's at b.
-    assert configs["zero3_qwz"].gloo(s, half) == 0.5 * (1000 * (1 + 4 / 4096) + 800 * 4) + 2000
+    assert configs["zero3_qwz"].gloo(s, a) == 0.625 * (1000 * (1 + 4 / 4096) + 800 * 4) + 2000
     # Hybrid: the shard (Psi/2) all-reduced over a ring of 2, whatever the all-gather does.
     for name in ("zero1_hybrid", "zero2_hybrid", "zero3_hybrid", "zero3_hybrid_qwz"):
-        assert configs[name].gloo(s, half) == configs[name].gloo(s, tree) == 2000
+        assert configs[name].gloo(s, a) == 2000
 
 
 def test_curve_table_checks_the_tolerance_and_twice_the_seed_spread() -> None:
