@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lightning_zero import config
-from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE
+from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE, BlockFormat
 from lightning_zero.step_measure import StepMeasure
 
 
@@ -549,6 +549,22 @@ def hybrid_communication_bytes(
                                  quantize_weights)
     replicas = ranks // shard_group_size
     return inside, 2 * trainable * element_bytes * (replicas - 1) // (shard_group_size * replicas)
+
+
+def quantized_reduce_bytes(trainable_params: int, ranks: int, node_size: int, bits: int) -> tuple[int, int]:
+    """qgZ (``quantize_grads``): the bytes one rank sends per step in the gradient reduce, ``(inside its node, across
+    nodes)``, for ``ranks`` ranks in nodes of ``node_size``: its segment ``S = ceil(Ψ_t / N)`` is sent as block
+    payloads ``P`` (``bits`` 4 or 8, an fp32 scale per 4096 elements), ``(K - 1) G P`` to the other members of its
+    node and ``(G - 1) P`` across (collectives.py, [Note: the quantized reduce-scatter]). Counted as one bucket:
+    each more bucket adds its partial block's scale and up to 3 bytes of alignment."""
+    trainable = _check_counts(trainable_params, ranks, None)
+    if node_size < 1 or ranks % node_size:
+        raise EstimateError(f"node_size={node_size} is invalid for {ranks} ranks: it must divide the number of ranks")
+    if bits not in (4, 8):
+        raise EstimateError(f"bits={bits} is invalid: qgZ quantizes to 4 or 8 bits")
+    payload = BlockFormat(bits=bits).layout(-(-trainable // ranks)).nbytes
+    nodes = ranks // node_size
+    return (node_size - 1) * nodes * payload, (nodes - 1) * payload
 
 
 def parse_count(text: str) -> int:

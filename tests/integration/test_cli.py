@@ -362,6 +362,21 @@ def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
     assert "--quantize-weights needs --shard-group-size" in capfd.readouterr().err
 
 
+def test_estimate_counts_the_quantized_gradient_reduce(capfd):
+    psi = GPTConfig().num_parameters
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--ranks-per-node", "2", "--quantize-grads",
+                 "int4", "--budget-gb", "1"]) == 0
+    line = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("qgZ"))
+    payload = -(-(-(-psi // 4) // 2 + 4 * -(-(-(-psi // 4)) // 4096)) // 4) * 4
+    fmt = estimate.format_bytes
+    assert line == (f"qgZ (int4) over 2 node(s) of 2 ranks: the gradient reduce sends per rank and step "
+                    f"{fmt(2 * payload)} inside its node and {fmt(payload)} across nodes ({fmt(psi * 4 * 3 // 4)} in "
+                    "all unquantized, 32-true)")
+    assert main(["estimate", "--params", "1B", "--ranks", "4", "--shard-group-size", "2", "--quantize-grads",
+                 "int4"]) == 2
+    assert "--quantize-grads with --shard-group-size: hybrid sharding refuses quantize_grads" in capfd.readouterr().err
+
+
 def test_estimate_says_when_nothing_fits(capfd):
     args = ["--params", "70B", "--ranks", "8", "--precision", "bf16-mixed", "--budget-gb", "80", "--no-offload"]
     assert main(["estimate", *args]) == 0
