@@ -555,8 +555,8 @@ def quantized_reduce_bytes(trainable_params: int, ranks: int, node_size: int, bi
     """qgZ (``quantize_grads``): the bytes one rank sends per step in the gradient reduce, ``(inside its node, across
     nodes)``, for ``ranks`` ranks in nodes of ``node_size``: its segment ``S = ceil(Ψ_t / N)`` is sent as block
     payloads ``P`` (``bits`` 4 or 8, an fp32 scale per 4096 elements), ``(K - 1) G P`` to the other members of its
-    node and ``(G - 1) P`` across (collectives.py, [Note: the quantized reduce-scatter]). Counted as one bucket:
-    each more bucket adds its partial block's scale and up to 3 bytes of alignment."""
+    node and ``(G - 1) P`` across (collectives.py, [Note: the quantized reduce-scatter]). Counted as one block run:
+    blocks restart at each parameter, which adds at most a scale and 3 bytes of alignment per parameter to ``P``."""
     trainable = _check_counts(trainable_params, ranks, None)
     if node_size < 1 or ranks % node_size:
         raise EstimateError(f"node_size={node_size} is invalid for {ranks} ranks: it must divide the number of ranks")

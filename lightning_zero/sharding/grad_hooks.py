@@ -184,7 +184,8 @@ class BucketReductions:
     """The one way gradients are reduced, for stages 1-3: each bucket's reduce-scatter is launched from its gradients
     (packed into a pool buffer, or, ``in_place``, reduced where a large gradient already lies), and once it completes
     the rows are stored in ``GradShards`` and the buffer goes back to the pool. At most ``MAX_IN_FLIGHT`` reductions
-    holding memory are pending (``InFlight``)."""
+    holding memory are pending (``InFlight``). With ``fmt`` (qgZ, ``quantize_grads``) every reduce-scatter is the
+    quantized two-stage one (collectives.py, [Note: the quantized reduce-scatter])."""
 
     def __init__(self, comms: Collectives, pool: BufferPool, grad_shards: GradShards,
                  fmt: BlockFormat | None = None) -> None:
@@ -194,7 +195,7 @@ class BucketReductions:
         #: qgZ: the format gradients are reduced in (``None``: full precision); checked against the group here.
         self.fmt = fmt
         if fmt is not None and not comms.local:
-            comms.two_stage(1, fmt)
+            comms.two_stage([1], fmt)
         self._in_flight = InFlight()
 
     def launch(self, bucket: Bucket, grads: list[Tensor | None], stored: Sequence[bool], in_place: bool = False,

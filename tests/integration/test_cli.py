@@ -176,6 +176,7 @@ def test_the_repository_root_holds_the_config_tree_the_command_offers(capfd):
         ("gpt_large_zero3", 3, "lightning_zero.models.GPTConfig"),
         ("gpt_medium_zero3_offload", 3, "lightning_zero.models.GPTConfig"),
         ("gpt_small_zero3_hybrid", 3, "lightning_zero.models.GPTConfig"),
+        ("gpt_small_zero3_qgz", 3, "lightning_zero.models.GPTConfig"),
     ],
 )
 def test_recipe_composes(recipe, strategy, model):
