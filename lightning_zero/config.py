@@ -26,6 +26,10 @@ PRECISIONS: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torc
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+#: ``quantize_grads=`` values and the bits of the codes each sends (qgZ).
+GRAD_QUANTIZATIONS: dict[str, int] = {"int4": 4, "int8": 8}
+
+
 class ZeroConfigError(ValueError):
     """A configuration value is invalid; the message names the option and the allowed values."""
 
@@ -52,6 +56,10 @@ class CommConfig:
             every training forward, as ``DistributedDataParallel`` does by default.
         shortcut_single_rank: with one rank there is nothing to communicate and no collective is issued; ``False``
             issues them anyway (to run every NCCL call on a single GPU, or to measure what they cost).
+        quantize_grads: ZeRO++'s qgZ: ``"int4"`` or ``"int8"`` reduces each gradient bucket as block-quantized
+            payloads (one fp32 scale per 4096 elements) in two all-to-alls, inside the node then across nodes,
+            dequantized before each fp32 sum (collectives.py, [Note: the quantized reduce-scatter]): int4 sends about
+            1/8 of fp32's bytes. ``None`` (default) reduces in full precision.
     """
 
     bucket_mb: float = 25.0
@@ -60,6 +68,7 @@ class CommConfig:
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     shortcut_single_rank: bool = True
+    quantize_grads: str | None = None
 
     def __post_init__(self) -> None:
         _check_mib("bucket_mb", self.bucket_mb)
@@ -69,6 +78,9 @@ class CommConfig:
             allowed = ", ".join(repr(k) for k in (None, *DTYPES))
             raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid: allowed values are {allowed}")
         _check_bool(self, "find_unused_parameters", "broadcast_buffers", "shortcut_single_rank")
+        if self.quantize_grads is not None and self.quantize_grads not in tuple(GRAD_QUANTIZATIONS):
+            allowed = ", ".join(repr(k) for k in (None, *GRAD_QUANTIZATIONS))
+            raise ZeroConfigError(f"quantize_grads={self.quantize_grads!r} is invalid: allowed values are {allowed}")
 
     @property
     def bucket_bytes(self) -> int:
@@ -319,6 +331,7 @@ class ZeroConfig:
                 f"quantize_weights=True with {' and '.join(offloaded)} is not supported yet: drop one of them"
             )
         _refuse_with_hpz(self, offloaded)
+        _check_quantize_grads(self.comm.quantize_grads, self.topology.shard_group_size, offloaded)
         policy = self.activation_checkpointing_policy
         entries = policy if isinstance(policy, (tuple, list, set, frozenset)) else [None]  # a str or class: no list
         if not all(isinstance(p, type) or (isinstance(p, str) and p) for p in entries):
@@ -373,6 +386,23 @@ def _refuse_with_hpz(config: ZeroConfig, offloaded: list[str]) -> None:
     for refused, why in refusals:
         if refused:
             raise ZeroConfigError(f"hpz_group_size={hpz!r} {why}")
+
+
+def _check_quantize_grads(quantize_grads: str | None, shard_group_size: int | None, offloaded: list[str]) -> None:
+    """qgZ's quantized reduce-scatter runs over the world's nodes: not under hybrid sharding, whose bytes across
+    nodes are the replica all-reduce it does not quantize, nor with offload (not supported yet)."""
+    if quantize_grads is None:
+        return
+    if shard_group_size is not None:
+        raise ZeroConfigError(
+            f"quantize_grads={quantize_grads!r} with shard_group_size={shard_group_size!r} is not supported: hybrid "
+            "sharding's traffic across nodes is the full-precision all-reduce of the shard, which qgZ does not "
+            "quantize; use node_size to tell qgZ where the nodes are instead"
+        )
+    if offloaded:
+        raise ZeroConfigError(
+            f"quantize_grads={quantize_grads!r} with {' and '.join(offloaded)} is not supported yet: drop one of them"
+        )
 
 
 _COMPONENTS: dict[str, type] = {

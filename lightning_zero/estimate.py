@@ -82,7 +82,7 @@ from dataclasses import dataclass, replace
 
 from lightning_zero import config
 from lightning_zero.sharding.collectives import MAX_IN_FLIGHT
-from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE
+from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE, BlockFormat
 from lightning_zero.step_measure import StepMeasure
 
 
@@ -590,6 +590,22 @@ def hpz_bytes(num_params: int, precision: str, hpz_group_size: int) -> int:
     if isinstance(hpz_group_size, bool) or not isinstance(hpz_group_size, int) or hpz_group_size < 1:
         raise EstimateError(f"hpz_group_size={hpz_group_size!r} is invalid: it must be an integer >= 1")
     return working_bytes(precision) * -(-num_params // hpz_group_size)
+
+
+def quantized_reduce_bytes(trainable_params: int, ranks: int, node_size: int, bits: int) -> tuple[int, int]:
+    """qgZ (``quantize_grads``): the bytes one rank sends per step in the gradient reduce, ``(inside its node, across
+    nodes)``, for ``ranks`` ranks in nodes of ``node_size``: its segment ``S = ceil(Ψ_t / N)`` is sent as block
+    payloads ``P`` (``bits`` 4 or 8, an fp32 scale per 4096 elements), ``(K - 1) G P`` to the other members of its
+    node and ``(G - 1) P`` across (collectives.py, [Note: the quantized reduce-scatter]). Counted as one block run:
+    blocks restart at each parameter, which adds at most a scale and 3 bytes of alignment per parameter to ``P``."""
+    trainable = _check_counts(trainable_params, ranks, None)
+    if node_size < 1 or ranks % node_size:
+        raise EstimateError(f"node_size={node_size} is invalid for {ranks} ranks: it must divide the number of ranks")
+    if bits not in (4, 8):
+        raise EstimateError(f"bits={bits} is invalid: qgZ quantizes to 4 or 8 bits")
+    payload = BlockFormat(bits=bits).layout(-(-trainable // ranks)).nbytes
+    nodes = ranks // node_size
+    return (node_size - 1) * nodes * payload, (nodes - 1) * payload
 
 
 def parse_count(text: str) -> int:

@@ -61,6 +61,11 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
         "blocks (ZeroStrategy(quantize_weights=True), ZeRO++'s qwZ)"
     )
     parser.add_argument(
+        "--quantize-grads", choices=("int4", "int8"), default=None, help="the gradient reduce as int4 or int8 blocks "
+        "in two stages, inside each node of --ranks-per-node ranks then across nodes (ZeroStrategy(quantize_grads=...), "
+        "ZeRO++'s qgZ): prints the bytes it sends per rank and step; not with --shard-group-size"
+    )
+    parser.add_argument(
         "--shard-group-size", type=int, default=None, help="hybrid sharding (ZeroStrategy(shard_group_size=K)): the "
         "model states are sharded over groups of K ranks and replicated across the groups; the table is per rank of "
         "such a group, and the communication per rank is split into inside its group and across groups"
@@ -96,6 +101,9 @@ def estimate_command(args: argparse.Namespace) -> int:
     world, group = ranks, args.shard_group_size
     if args.quantize_weights and group is None:
         raise UsageError("--quantize-weights needs --shard-group-size (give the number of ranks for flat sharding)")
+    if args.quantize_grads is not None and group is not None:
+        raise UsageError("--quantize-grads with --shard-group-size: hybrid sharding refuses quantize_grads; give the "
+                         "node layout with --ranks-per-node")
     if group is not None:
         if group < 1 or ranks % group:
             raise UsageError(f"--shard-group-size={group} is invalid for --ranks={ranks}: it must divide the number of "
@@ -131,6 +139,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         print("\n" + format_hybrid(total, trainable, world, group, args.precision, options, args.quantize_weights))
     if hpz is not None:
         print("\n" + format_hpz(total, ranks, hpz, args.precision))
+    if args.quantize_grads is not None:
+        print("\n" + format_qgz(trainable, ranks, args.ranks_per_node or ranks, args.precision, args.quantize_grads))
     if peaks is not None:
         print("\n" + format_peaks(peaks, peak))
     if recommendation is None:
@@ -201,6 +211,23 @@ def format_hpz(total: int, ranks: int, hpz: int, precision: str) -> str:
             f"per rank from a unit's forward to its backward (Psi * b / {hpz}); the backward all-gather moves "
             f"{fmt(inside)} per rank and step inside groups of {hpz} ranks (none across them) instead "
             f"of {fmt(instead)} over the {ranks} ranks that shard the model")
+
+
+def format_qgz(trainable: int, ranks: int, node_size: int, precision: str, quantize_grads: str) -> str:
+    """qgZ: the bytes one rank sends per step in the gradient reduce, inside its node and across nodes, beside the
+    full-precision reduce-scatter's (ring-equivalent, all of it; the same for zero1, zero2 and zero3)."""
+    if node_size < 1 or ranks % node_size:
+        raise UsageError(f"--ranks-per-node={node_size} is invalid for --ranks={ranks}: it must divide the number of "
+                         "ranks")
+    try:
+        inside, across = estimate.quantized_reduce_bytes(trainable, ranks, node_size, int(quantize_grads[3:]))
+    except estimate.EstimateError as err:
+        raise UsageError(str(err)) from None
+    full = trainable * estimate.working_bytes(precision) * (ranks - 1) // ranks
+    fmt = estimate.format_bytes
+    return (f"qgZ ({quantize_grads}) over {ranks // node_size} node(s) of {node_size} ranks: the gradient reduce "
+            f"sends per rank and step {fmt(inside)} inside its node and {fmt(across)} across nodes ({fmt(full)} in "
+            f"all unquantized, {precision})")
 
 
 def format_peaks(peaks: list, inputs: estimate.PeakInputs) -> str:

@@ -35,9 +35,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_zero.config import CommConfig
+from lightning_zero.config import GRAD_QUANTIZATIONS, CommConfig
 from lightning_zero.sharding.collectives import BufferPool, Collectives, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
+from lightning_zero.sharding.quantize import BlockFormat
 
 
 class GradHooks:
@@ -183,12 +184,18 @@ class BucketReductions:
     """The one way gradients are reduced, for stages 1-3: each bucket's reduce-scatter is launched from its gradients
     (packed into a pool buffer, or, ``in_place``, reduced where a large gradient already lies), and once it completes
     the rows are stored in ``GradShards`` and the buffer goes back to the pool. At most ``MAX_IN_FLIGHT`` reductions
-    holding memory are pending (``InFlight``)."""
+    holding memory are pending (``InFlight``). With ``fmt`` (qgZ, ``quantize_grads``) every reduce-scatter is the
+    quantized two-stage one (collectives.py, [Note: the quantized reduce-scatter])."""
 
-    def __init__(self, comms: Collectives, pool: BufferPool, grad_shards: GradShards) -> None:
+    def __init__(self, comms: Collectives, pool: BufferPool, grad_shards: GradShards,
+                 fmt: BlockFormat | None = None) -> None:
         self.comms = comms
         self.pool = pool
         self.grad_shards = grad_shards
+        #: qgZ: the format gradients are reduced in (``None``: full precision); checked against the group here.
+        self.fmt = fmt
+        if fmt is not None and not comms.local:
+            comms.two_stage([1], fmt)
         self._in_flight = InFlight()
 
     def launch(self, bucket: Bucket, grads: list[Tensor | None], stored: Sequence[bool], in_place: bool = False,
@@ -198,7 +205,7 @@ class BucketReductions:
         pooled = None
         if buffer is None:
             buffer = pooled = self.pool.take(bucket.full_numel, bucket.dtype)
-        reduced = self.comms.reduce_scatter(bucket, grads, buffer=buffer, guard=guard)
+        reduced = self.comms.reduce_scatter(bucket, grads, buffer=buffer, guard=guard, fmt=self.fmt)
         keep_full = self.grad_shards.keep_full_grads
         if not keep_full:
             for shard in bucket.shards:
@@ -238,7 +245,8 @@ class GradReducer:
         self.config = config
         self.keep_full_grads = keep_full_grads
         self.grad_shards = GradShards(comms.world_size, keep_full_grads, storage)
-        self._reductions = BucketReductions(comms, pool or BufferPool(comms.device), self.grad_shards)
+        self._reductions = BucketReductions(comms, pool or BufferPool(comms.device), self.grad_shards,
+                                            grad_format(config))
         self._order = [s for s in reversed(shards) if s.param.is_floating_point()]
         self._plans: dict[tuple[bool, ...], list[Bucket]] = {}
         self._plan_key: tuple[bool, ...] | None = None
@@ -348,6 +356,11 @@ class GradReducer:
 
     def remove(self) -> None:
         self._hooks.remove()
+
+
+def grad_format(config: CommConfig) -> BlockFormat | None:
+    """The block format qgZ reduces gradients in (``quantize_grads``), or ``None``."""
+    return None if config.quantize_grads is None else BlockFormat(bits=GRAD_QUANTIZATIONS[config.quantize_grads])
 
 
 def _calling(callback: Callable[[ParamShard], None], shard: ParamShard) -> Callable[[Tensor], None]:

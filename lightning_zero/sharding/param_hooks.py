@@ -41,7 +41,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_zero.config import CommConfig, Stage3Config
 from lightning_zero.sharding.collectives import MAX_IN_FLIGHT, BufferPool, Collectives
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
-from lightning_zero.sharding.grad_hooks import BucketReductions, GradHooks, GradShards, ShardStorage, warn_unused
+from lightning_zero.sharding.grad_hooks import (
+    BucketReductions, GradHooks, GradShards, ShardStorage, grad_format, warn_unused,
+)
 from lightning_zero.sharding.quantize import BlockFormat
 from lightning_zero.sharding.unit_state import (
     UNBOUNDED,
@@ -109,7 +111,7 @@ class ShardedParams:
             unit.hpz = comms.hpz
         self._done: set[Unit] = set()
         self._next_reduce = 0
-        self._reductions = BucketReductions(comms, self.pool, self.grad_shards)
+        self._reductions = BucketReductions(comms, self.pool, self.grad_shards, grad_format(comm))
         self._input_grad_calls: dict[Unit, int] = {}
         self._forward_order: list[Unit] = []
         self._last_order: list[Unit] = []

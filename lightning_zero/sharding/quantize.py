@@ -93,6 +93,11 @@ form ``G`` groups ("nodes") of ``K`` consecutive ranks, rank ``g * K + k``.
    dequantizes the ``G`` chunks it receives and sums them in fp32, in order of ``g``: its own segment, summed over all
    ``N`` ranks.
 
+``TwoStageReduce.parts`` cuts each segment into consecutive parts (a bucket's parameters) whose blocks restart at
+each part, so that the result is that of each part reduced on its own and one parameter's small gradients never share
+a scale with another's large ones (collectives.py, [Note: the quantized reduce-scatter]); the payload of a segment is
+then its parts' payloads end to end.
+
 A stage with one member (``K = 1``, or ``G = 1``) is an exchange with oneself that saves no bytes; it is quantized all
 the same, so that every topology runs the same steps and the reference stays one definition.
 
@@ -442,32 +447,43 @@ def dequantize_segments(
 class TwoStageReduce:
     """qgZ's reduce-scatter of a rank-major buffer of ``groups * group_size`` segments of ``segment_numel`` elements
     as two quantized all-to-alls, inside the group then across groups (see [Note: segments and the two-stage
-    reduce-scatter]). Rank ``g * group_size + k`` is member ``k`` of group ``g``."""
+    reduce-scatter]). Rank ``g * group_size + k`` is member ``k`` of group ``g``. ``parts``: the sizes of consecutive
+    parts of a segment (a bucket's parameters) whose blocks restart at each part, as if each part were reduced on its
+    own; ``None``: the whole segment is one part."""
 
     groups: int
     group_size: int
     segment_numel: int
     intra: BlockFormat = BlockFormat(bits=4)
     inter: BlockFormat = BlockFormat(bits=4)
+    parts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("groups", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TwoStageReduce.{name}={getattr(self, name)} must be >= 1")
+        if self.parts is not None and (sum(self.parts) != self.segment_numel or min(self.parts, default=0) < 0):
+            raise ValueError(
+                f"TwoStageReduce.parts={self.parts} must be sizes >= 0 adding up to segment_numel={self.segment_numel}"
+            )
 
     @property
     def world_size(self) -> int:
         return self.groups * self.group_size
 
+    def payload_bytes(self, fmt: BlockFormat) -> int:
+        """The bytes of one segment's payload in ``fmt``: its parts' payloads end to end."""
+        return sum(layout.nbytes for _, _, layout in self._layouts(fmt))
+
     @property
     def intra_bytes(self) -> int:
         """Bytes a rank sends to the other members of its group (its own chunk stays)."""
-        return (self.group_size - 1) * self.groups * self.intra.layout(self.segment_numel).nbytes
+        return (self.group_size - 1) * self.groups * self.payload_bytes(self.intra)
 
     @property
     def inter_bytes(self) -> int:
         """Bytes a rank sends to the other groups."""
-        return (self.groups - 1) * self.inter.layout(self.segment_numel).nbytes
+        return (self.groups - 1) * self.payload_bytes(self.inter)
 
     def intra_chunks(self, buffer: Tensor) -> Tensor:
         """A view ``(group_size, groups, segment_numel)`` of a rank-major buffer: row ``j`` holds the segments that go
@@ -482,24 +498,49 @@ class TwoStageReduce:
     def quantize_intra(self, buffer: Tensor) -> Quantized:
         """The first all-to-all's input: a contiguous payload ``(group_size, groups, nbytes)``, row ``j`` for
         member ``j``."""
-        nbytes = self.intra.layout(self.segment_numel).nbytes
-        out = torch.empty(self.group_size, self.groups, nbytes, dtype=torch.uint8, device=buffer.device)
-        return quantize(self.intra_chunks(buffer), self.intra, out=out)
+        return self._quantize(self.intra_chunks(buffer), self.intra)
 
     def reduce_intra(self, received: Tensor) -> Tensor:
         """Sum in fp32 of the first all-to-all's output ``(group_size, groups, nbytes)`` (row ``j`` from member
         ``j``): ``(groups, segment_numel)``, row ``g`` the group's partial sum of segment ``g * group_size + k``."""
-        return sum_dequantized(received, self.intra, self.segment_numel)
+        return self._sum(received, self.intra)
 
     def quantize_inter(self, partial: Tensor) -> Quantized:
         """The second all-to-all's input: the partial sums ``(groups, segment_numel)`` as a payload ``(groups,
         nbytes)``, row ``g`` for the member of this rank's index in group ``g``."""
-        return quantize(partial, self.inter)
+        return self._quantize(partial, self.inter)
 
     def reduce_inter(self, received: Tensor) -> Tensor:
         """Sum in fp32 of the second all-to-all's output ``(groups, nbytes)`` (row ``g`` from group ``g``): this
         rank's segment, summed over every rank."""
-        return sum_dequantized(received, self.inter, self.segment_numel)
+        return self._sum(received, self.inter)
+
+    def _layouts(self, fmt: BlockFormat) -> list[tuple[slice, slice, PayloadLayout]]:
+        """Per part: its elements in a segment, its bytes in a segment's payload, its layout."""
+        out, start, offset = [], 0, 0
+        for numel in (self.segment_numel,) if self.parts is None else self.parts:
+            layout = fmt.layout(numel)
+            out.append((slice(start, start + numel), slice(offset, offset + layout.nbytes), layout))
+            start, offset = start + numel, offset + layout.nbytes
+        return out
+
+    def _quantize(self, values: Tensor, fmt: BlockFormat) -> Quantized:
+        """``values`` ``(..., segment_numel)`` part by part into one contiguous payload ``(..., nbytes)``."""
+        payload = torch.empty(*values.shape[:-1], self.payload_bytes(fmt), dtype=torch.uint8, device=values.device)
+        nonfinite = torch.zeros((), dtype=torch.bool, device=values.device)
+        for elements, nbytes, _ in self._layouts(fmt):
+            nonfinite |= quantize(values[..., elements], fmt, out=payload[..., nbytes]).nonfinite
+        return Quantized(payload, nonfinite)
+
+    def _sum(self, payloads: Tensor, fmt: BlockFormat) -> Tensor:
+        """``sum_dequantized`` of ``payloads`` ``(count, ..., nbytes)``, part by part: ``(..., segment_numel)``."""
+        layouts = self._layouts(fmt)
+        if len(layouts) == 1:
+            return sum_dequantized(payloads, fmt, self.segment_numel)
+        total = torch.empty(*payloads.shape[1:-1], self.segment_numel, dtype=torch.float32, device=payloads.device)
+        for elements, nbytes, layout in layouts:
+            total[..., elements] = sum_dequantized(payloads[..., nbytes], fmt, layout.numel)
+        return total
 
 
 def sum_dequantized(payloads: Tensor, fmt: BlockFormat, numel: int) -> Tensor:

@@ -178,3 +178,7 @@ class Links:
             return sent
         following = (self.index + 1) % n
         return nbytes if n > 1 and following != root and self._crosses(following) else 0.0
+
+    def to_peers(self, nbytes: float, peers: list[int]) -> float:
+        """``nbytes`` sent straight to each of ``peers`` (group ranks)."""
+        return nbytes * sum(self._crosses(p) for p in peers)

@@ -177,6 +177,7 @@ def test_the_repository_root_holds_the_config_tree_the_command_offers(capfd):
         ("gpt_medium_zero3_offload", 3, "lightning_zero.models.GPTConfig"),
         ("gpt_small_zero3_hybrid", 3, "lightning_zero.models.GPTConfig"),
         ("gpt_small_zero3_hpz", 3, "lightning_zero.models.GPTConfig"),
+        ("gpt_small_zero3_qgz", 3, "lightning_zero.models.GPTConfig"),
     ],
 )
 def test_recipe_composes(recipe, strategy, model):
@@ -379,6 +380,21 @@ def test_estimate_with_hpz_gives_the_secondary_shards_bytes(capfd):
                  "--hpz-group-size", "2"]) == 2
     assert "--hpz-group-size=2 is invalid for --shard-group-size=2: it must divide it and be smaller" in \
         capfd.readouterr().err
+
+
+def test_estimate_counts_the_quantized_gradient_reduce(capfd):
+    psi = GPTConfig().num_parameters
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--ranks-per-node", "2", "--quantize-grads",
+                 "int4", "--budget-gb", "1"]) == 0
+    line = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("qgZ"))
+    payload = -(-(-(-psi // 4) // 2 + 4 * -(-(-(-psi // 4)) // 4096)) // 4) * 4
+    fmt = estimate.format_bytes
+    assert line == (f"qgZ (int4) over 2 node(s) of 2 ranks: the gradient reduce sends per rank and step "
+                    f"{fmt(2 * payload)} inside its node and {fmt(payload)} across nodes ({fmt(psi * 4 * 3 // 4)} in "
+                    "all unquantized, 32-true)")
+    assert main(["estimate", "--params", "1B", "--ranks", "4", "--shard-group-size", "2", "--quantize-grads",
+                 "int4"]) == 2
+    assert "--quantize-grads with --shard-group-size: hybrid sharding refuses quantize_grads" in capfd.readouterr().err
 
 
 def test_estimate_says_when_nothing_fits(capfd):

@@ -173,3 +173,18 @@ def test_hpz_gathers_the_rows_in_place(monkeypatch: pytest.MonkeyPatch, native: 
     assert (stats.calls, stats.bytes) == (1, 3 * 6 * 4)
     # a ring sends (n-1)/n of the table to its next member; gloo's broadcasts send the row to each other member
     assert stats.cross_bytes == 3 * 6 * 4
+
+
+def test_quantize_grads_refuses_device_tensors_on_a_backend_that_sends_host_tensors_only() -> None:
+    from lightning_zero.sharding.quantize import BlockFormat
+
+    comms = _cuda_group()
+    comms.device_backend = "gloo"  # CUDA tensors on gloo (process_group_backend="gloo" on GPUs)
+    with pytest.raises(CollectiveDeviceError) as err:
+        comms.two_stage([8], BlockFormat(bits=4))
+    assert str(err.value) == (
+        "quantize_grads sends its payloads point to point, which the gloo backend does for host tensors only, but the "
+        "gradients are on cuda:0: use nccl for them, or drop quantize_grads"
+    )
+    plan = Collectives(device=torch.device("cpu"), node_size=None).two_stage([3, 5], BlockFormat(bits=4))
+    assert (plan.groups, plan.group_size, plan.segment_numel, plan.parts) == (1, 1, 8, (3, 5))  # no process group: a world of one

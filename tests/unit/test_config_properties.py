@@ -81,6 +81,7 @@ OPTION_VALUES: dict[str, Pair] = {
     "find_unused_parameters": _flag(),
     "broadcast_buffers": _flag(),
     "shortcut_single_rank": _flag(),
+    "quantize_grads": _one_of([None, "int4", "int8"], ["int2", "", "INT4", 4, True, {"a": 1}, ["int4"]]),
     "units": (st.lists(NAMES, max_size=3), NOT_A_LIST | st.sampled_from([[""], ["Block", 3], [None]])),
     "unit_mb": _mib(),
     "prefetch": (st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([1.5, 2.0, True, "2", None])),
@@ -138,6 +139,10 @@ def _blamed(options: dict[str, tuple[Any, bool]]) -> set[str]:
          and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
         ({"hpz_group_size", "stage", "offload_optimizer", "offload_params", "reshard_after_forward",
           "shard_group_size"}, value["hpz_group_size"] is not None and _hpz_refused(value)),
+        ({"quantize_grads", "shard_group_size"}, value["quantize_grads"] is not None
+         and value["shard_group_size"] is not None),
+        ({"quantize_grads", "offload_optimizer", "offload_params"}, value["quantize_grads"] is not None
+         and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
         ({"heartbeat_s", "failure_timeout_s"}, value["failure_timeout_s"] is not None
          and not value["heartbeat_s"] < value["failure_timeout_s"]),
     ]

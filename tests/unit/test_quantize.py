@@ -526,3 +526,47 @@ def test_property_two_stage_matches_the_reference(groups, group_size, size, bloc
         assert torch.equal(results[d], reference[d])
         exact = sum(b.double().view(world, size)[d] for b in buffers)
         assert ((reference[d].double() - exact).abs() <= bounds[d]).all()
+
+
+@pytest.mark.parametrize("groups,group_size", [(2, 2), (3, 2)])
+def test_two_stage_parts_restart_the_blocks_at_each_part(groups: int, group_size: int) -> None:
+    """A segment of parts (a bucket's parameters) reduces as if each part were reduced on its own, bit for bit, and
+    its payload is the parts' payloads end to end; a part of small values next to large ones keeps its own scale."""
+    world, parts, fmt = groups * group_size, (70, 0, 1, 29), BlockFormat(4, 64)
+    size = sum(parts)
+    buffers = _rank_buffers(world, size, seed=7)
+    for b in buffers:
+        b.view(world, size)[:, 71:] *= 1e-6  # the last part: a millionth of the first
+    plan = TwoStageReduce(groups, group_size, size, fmt, fmt, parts=parts)
+    assert plan.payload_bytes(fmt) == sum(fmt.layout(p).nbytes for p in parts) == 44 + 0 + 8 + 20  # 2 scales + 35 code bytes, rounded up; 1 scale + 1; 1 + 15
+    results, flags = _simulate_parts(buffers, plan)
+    assert not any(flags)
+    start = 0
+    for part in parts:
+        rows = [b.view(world, size)[:, start : start + part].reshape(-1) for b in buffers]
+        reference = reference_two_stage_reduce_scatter(rows, group_size, fmt)
+        for rank in range(world):
+            assert torch.equal(results[rank][start : start + part], reference[rank])
+        start += part
+    whole = reference_two_stage_reduce_scatter(buffers, group_size, fmt)
+    assert all(not whole[r][71:].any() for r in range(world))  # one scale for all: the small part rounds to zero
+    assert all((results[r][71:] != 0).float().mean() > 0.5 for r in range(world))  # its own scale: most kept
+    with pytest.raises(ValueError, match=r"TwoStageReduce.parts=\(1, 2\) must be sizes >= 0 adding up to "):
+        TwoStageReduce(2, 2, 4, parts=(1, 2))
+
+
+def _simulate_parts(buffers, plan):
+    """``_simulate`` for a plan whose payload is ``plan.payload_bytes`` wide."""
+    groups, size = plan.groups, plan.group_size
+    first = [plan.quantize_intra(b) for b in buffers]
+    assert all(q.payload.shape == (size, groups, plan.payload_bytes(plan.intra)) for q in first)
+    partials = [None] * len(buffers)
+    for g in range(groups):
+        for k in range(size):
+            partials[g * size + k] = plan.reduce_intra(torch.stack([first[g * size + j].payload[k] for j in range(size)]))
+    second = [plan.quantize_inter(p) for p in partials]
+    results = [None] * len(buffers)
+    for g in range(groups):
+        for k in range(size):
+            results[g * size + k] = plan.reduce_inter(torch.stack([second[h * size + k].payload[g] for h in range(groups)]))
+    return results, [bool(a.nonfinite or b.nonfinite) for a, b in zip(first, second)]
