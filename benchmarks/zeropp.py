@@ -109,6 +109,21 @@ def _replica_allreduce(s: Sizes, ag: float) -> float:
 
 #: qwZ's bytes an element: the int8 payload and one fp32 scale per block.
 QWZ_BYTES = 1 + 4 / QUANT_BLOCK
+#: qgZ's (int4) bytes an element: two codes a byte and one fp32 scale per block.
+QGZ_BYTES = 0.5 + 4 / QUANT_BLOCK
+
+
+def _zero3_hpz(s: Sizes, ag: float, forward_bytes: float | None = None) -> float:
+    """Flat ZeRO-3 with hpZ: the backward gathers run inside the node; the forward's (b, or qwZ's bytes) still
+    cross, and so does the reduce-scatter."""
+    forward = s.b if forward_bytes is None else forward_bytes
+    return ag * s.psi * forward + RS_SHARE * s.psi * s.b
+
+
+def _qgz_reduce(s: Sizes) -> float:
+    """qgZ's second stage: a rank sends its node's partial sum of one segment (Psi/4 elements as int4 payloads) to
+    the rank at its position on the other node (blocks restart per parameter: a little more)."""
+    return s.psi / WORLD * QGZ_BYTES
 
 
 @dataclass(frozen=True)
@@ -143,6 +158,15 @@ CONFIGS = [
     Config("zero3_hybrid_qwz", "ZeRO-3 hybrid + qwZ", "lz", dict(stage=3, shard_group_size=NODE,
                                                                   quantize_weights=True),
            "b Psi/2", _replica_allreduce, "2 (R-1)/R Psi b / K"),
+    Config("zero3_hpz", "ZeRO-3 flat + hpZ (hpz_group_size=2)", "lz", dict(stage=3, hpz_group_size=NODE),
+           "b (a Psi + Psi/2)", _zero3_hpz, "2.0 Psi b"),
+    Config("zero3_qgz", "ZeRO-3 flat + qgZ (quantize_grads=int4)", "lz", dict(stage=3, quantize_grads="int4"),
+           "a b (2 Psi_u + Psi_r) + (1/2 + 4/4096) Psi/4",
+           lambda s, ag: ag * s.b * (2 * s.units + s.root) + _qgz_reduce(s), "(2 + 1/(2b)) Psi b"),
+    Config("zero3_zeropp", "ZeRO-3 flat + qwZ + hpZ + qgZ", "lz",
+           dict(stage=3, quantize_weights=True, hpz_group_size=NODE, quantize_grads="int4"),
+           "a (1 + 4/4096) Psi + (1/2 + 4/4096) Psi/4",
+           lambda s, ag: ag * s.psi * QWZ_BYTES + _qgz_reduce(s), "(1/b + 1/(2b)) Psi b"),
     Config("fsdp2", "FSDP2 flat (1-D mesh of 4)", "fsdp2", dict(mesh=[WORLD]), "not modelled", None, "3.0 Psi b"),
     Config("fsdp2_hsdp", "FSDP2 HSDP (2-D mesh, replicate 2 x shard 2)", "fsdp2", dict(mesh=[WORLD // NODE, NODE]),
            "not modelled", None, "2 (R-1)/R Psi b / K"),
@@ -155,6 +179,10 @@ CURVES = [
     ("zero3", 2, None),
     ("zero3_qwz", 1, 0.01),
     ("zero3_qwz", 2, 0.01),
+    ("zero3_qgz", 1, 0.02),
+    ("zero3_qgz", 2, 0.02),
+    ("zero3_zeropp", 1, 0.03),
+    ("zero3_zeropp", 2, 0.03),
 ]
 CURVE_STEPS, CURVE_TAIL = 300, 50
 
