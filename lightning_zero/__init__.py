@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.sharding.collectives import CommStats
+from lightning_zero.sharding.in_flight import NonFiniteWeightsError
 from lightning_zero.sharding.runtime import NonFiniteGradientsError
 from lightning_zero.strategy import ZeroStrategy
 from lightning_zero.watchdog import PeerFailure
@@ -19,6 +20,7 @@ __all__ = [
     "CommStats",
     "ModelStateBytes",
     "NonFiniteGradientsError",
+    "NonFiniteWeightsError",
     "PeerFailure",
     "ZeroConfig",
     "ZeroConfigError",

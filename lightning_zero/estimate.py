@@ -81,7 +81,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lightning_zero import config
-from lightning_zero.sharding.collectives import MAX_IN_FLIGHT
+from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT
 from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE, BlockFormat
 from lightning_zero.step_measure import StepMeasure
 

@@ -36,7 +36,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_zero.config import GRAD_QUANTIZATIONS, CommConfig
-from lightning_zero.sharding.collectives import BufferPool, Collectives, InFlight
+from lightning_zero.sharding.collectives import Collectives
+from lightning_zero.sharding.in_flight import BufferPool, InFlight
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 from lightning_zero.sharding.quantize import BlockFormat
 

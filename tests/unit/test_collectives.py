@@ -49,7 +49,7 @@ def test_tensors_on_the_group_device_pass() -> None:
 
 
 def test_in_flight_bounds_the_memory_pending_collectives_hold() -> None:
-    from lightning_zero.sharding.collectives import Exchanged, InFlight
+    from lightning_zero.sharding.in_flight import Exchanged, InFlight
 
     done: list[str] = []
     in_flight = InFlight(limit=2)
@@ -73,7 +73,7 @@ def test_in_flight_bounds_the_memory_pending_collectives_hold() -> None:
 
 
 def test_buffer_pool_hands_out_the_smallest_buffer_that_fits() -> None:
-    from lightning_zero.sharding.collectives import BufferPool
+    from lightning_zero.sharding.in_flight import BufferPool
 
     pool = BufferPool(torch.device("cpu"), limit=2)
     large, small = pool.take(100, torch.float32), pool.take(10, torch.float32)
