@@ -28,14 +28,16 @@ def _no_inherited_choice(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _disk_free(monkeypatch):
-    """The offload directory's free space, fixed: the choice must not depend on the test machine's disk."""
+def _machine(monkeypatch):
+    """The offload directory's free space and the host memory available, fixed: the choice must not depend on the
+    test machine's disk or memory (a test's own fixture may set them otherwise)."""
     real = auto.shutil.disk_usage
 
     def disk_usage(path):
         return real(path)._replace(free=DISK_FREE)  # real() raises for a directory that does not exist
 
     monkeypatch.setattr(auto.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(auto, "available_host_bytes", lambda: 64 * 2**30)
 
 
 @pytest.mark.parametrize(
