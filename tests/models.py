@@ -84,6 +84,15 @@ def token_dataset(n: int = 512, seed: int = 0) -> TensorDataset:
     return TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, CLASSES, (n,), generator=g))
 
 
+def pattern_loader(vocab_size: int, seq_len: int, rows: int) -> DataLoader:
+    """``rows`` learnable sequences, batches of 4: token ``t`` of a row is ``(a + b t) mod vocab_size``."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, vocab_size, (rows, 1), generator=g)
+    b = torch.randint(1, 8, (rows, 1), generator=g)
+    tokens = (a + b * torch.arange(seq_len + 1)) % vocab_size
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+
+
 def flat_params(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
 

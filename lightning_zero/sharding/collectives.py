@@ -425,7 +425,7 @@ class Collectives:
         if self.native:
             cross = self.links.ring(nbytes * (n - 1) / n)
         else:  # one broadcast per row, each down gloo's tree from its rank
-            cross = sum(self.links.broadcast(nbytes / n, r, chain=False) for r in range(n))
+            cross = nbytes / n * self.links.tree_gather_rows
         self.stats.record(op, nbytes * (n - 1) / n, nbytes * (n - 1) / n, cross)
         if self.native:
             gather = _native("all_gather_single", "all_gather_into_tensor")

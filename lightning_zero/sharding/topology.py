@@ -49,6 +49,7 @@ counted too, by the ring model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from lightning_zero.config import ZeroConfigError
 
@@ -163,6 +164,12 @@ class Links:
     def to_each(self, nbytes: float) -> float:
         """``nbytes`` sent straight to every other member."""
         return nbytes * sum(self._crosses(p) for p in range(len(self.members)) if p != self.index)
+
+    @cached_property
+    def tree_gather_rows(self) -> int:
+        """Rows this rank sends to other nodes in gloo's all-gather, one broadcast down the tree per member's row
+        (the same for every gather of the group, so counted once)."""
+        return int(sum(self.broadcast(1.0, root, chain=False) for root in range(len(self.members))))
 
     def broadcast(self, nbytes: float, root: int, chain: bool) -> float:
         """A broadcast of ``nbytes`` from group rank ``root``: a chain in group order (NCCL), or gloo's binomial

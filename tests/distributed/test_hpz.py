@@ -13,13 +13,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroConfigError, ZeroStrategy, estimate
 from lightning_zero.models import GPTConfig, LanguageModel
 from lightning_zero.sharding.flat_param import ShardSpec
 from tests.harness import run_on_ranks
-from tests.models import AdapterModel, ParityModel, Recorder, StepSeededLM, make_trainer
+from tests.models import AdapterModel, ParityModel, Recorder, StepSeededLM, make_trainer, pattern_loader
 
 WORLD, NODE = 4, 2
 STEPS = 5
@@ -66,13 +66,7 @@ class StepLog(pl.Callback):
 
 
 def _patterns(config: GPTConfig) -> DataLoader:
-    """Learnable sequences: token ``t`` of a row is ``(a + b t) mod V``."""
-    g = torch.Generator().manual_seed(0)
-    rows, length = 128, config.seq_len + 1
-    a = torch.randint(0, config.vocab_size, (rows, 1), generator=g)
-    b = torch.randint(1, 8, (rows, 1), generator=g)
-    tokens = (a + b * torch.arange(length)) % config.vocab_size
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    return pattern_loader(config.vocab_size, config.seq_len, rows=128)
 
 
 def _fit(hpz: int | None, world: int = WORLD, precision: str = "32-true", config: GPTConfig = GPT,

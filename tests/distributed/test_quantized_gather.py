@@ -17,7 +17,7 @@ from lightning_zero.models import GPTConfig, LanguageModel
 from lightning_zero.sharding.flat_param import ShardSpec
 from lightning_zero.sharding.quantize import BlockFormat, dequantize, quantize
 from tests.harness import run_on_ranks
-from tests.models import Recorder, make_trainer
+from tests.models import Recorder, make_trainer, pattern_loader
 
 WORLD, K, NODE = 4, 2, 2
 STEPS = 60
@@ -79,13 +79,7 @@ class ExactGather(pl.Callback):
 
 
 def _patterns() -> DataLoader:
-    """Learnable sequences: token ``t`` of a row is ``(a + b t) mod V``."""
-    g = torch.Generator().manual_seed(0)
-    rows, length = 256, GPT.seq_len + 1
-    a = torch.randint(0, GPT.vocab_size, (rows, 1), generator=g)
-    b = torch.randint(1, 8, (rows, 1), generator=g)
-    tokens = (a + b * torch.arange(length)) % GPT.vocab_size
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    return pattern_loader(GPT.vocab_size, GPT.seq_len, rows=256)
 
 
 def _gpt(quantize: bool, group: int | None, steps: int = STEPS, precision: str = "32-true",

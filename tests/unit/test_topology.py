@@ -85,5 +85,9 @@ def test_broadcast_down_gloos_tree_or_along_a_chain() -> None:
     # 6 members from 0: 0 -> 1, 0 -> 2, 1 -> 3, 0 -> 4, 1 -> 5 (nodes of 3: 0-2 | 3-5).
     six = (0, 1, 2, 3, 4, 5)
     assert [Links(six, i, 3).broadcast(1.0, root=0, chain=False) for i in range(6)] == [1.0, 2.0, 0.0, 0.0, 0.0, 0.0]
+    # An all-gather, one broadcast per member's row: rows sent across by each rank (2 x 2: 2 from even ranks, 3 from
+    # odd ones; 3 nodes x 2: 4 and 5 of the 5 rows).
+    assert [Links(world, i, 2).tree_gather_rows for i in range(4)] == [2, 3, 2, 3]
+    assert [Links(six, i, 2).tree_gather_rows for i in range(6)] == [4, 5, 4, 5, 4, 5]
     # NCCL's chain 0 -> 1 -> 2 -> 3: only 1 -> 2 crosses; 3 does not send back to the root.
     assert [Links(world, i, 2).broadcast(8.0, root=0, chain=True) for i in range(4)] == [0.0, 8.0, 0.0, 0.0]
