@@ -539,28 +539,45 @@ def _staging(e: MemoryEstimate, layout: Layout, working: int, elements: int) -> 
 
 def communication_bytes(
     option: str, num_params: int, ranks: int, element_bytes: int, trainable_params: int | None = None,
-    quantize_weights: bool = False,
+    quantize_weights: bool = False, hpz_group_size: int | None = None, quantize_grads: str | None = None,
+    node_size: int | None = None,
 ) -> int:
     """Ring-equivalent bytes one rank moves per optimizer step, with no overhead.
 
     DDP all-reduces the gradients (2 Ψ_t (N-1)/N elements); zero1 and zero2 reduce-scatter the gradients and
     all-gather the updated parameters (the same 2 Ψ_t (N-1)/N); zero3 all-gathers every parameter twice (forward and
     backward) and reduce-scatters the gradients: (2 Ψ + Ψ_t)(N-1)/N. Ψ_t counts trainable parameters: frozen ones
-    are never reduced nor re-gathered after a step. ``quantize_weights`` (zero3's qwZ): the forward all-gather moves
-    int8 codes and one fp32 scale per block of 4096, about ``1 + 4/4096`` bytes per element instead of
-    ``element_bytes`` (blocks restart at each parameter: a little more for many small parameters).
+    are never reduced nor re-gathered after a step. ZeRO++'s options change one term each:
+
+    - ``quantize_weights`` (zero3's qwZ): the forward all-gather moves int8 codes and one fp32 scale per block of
+      4096, about ``1 + 4/4096`` bytes per element instead of ``element_bytes`` (blocks restart at each parameter: a
+      little more for many small parameters);
+    - ``hpz_group_size=K2`` (zero3's hpZ): the backward all-gather runs inside groups of ``K2``, Ψ (K2-1)/K2;
+    - ``quantize_grads`` (``"int4"``/``"int8"``, qgZ): the reduce-scatter is the two-stage exchange of
+      ``quantized_reduce_bytes`` over nodes of ``node_size`` ranks (default: one node of all ``ranks``).
     """
     _check_choice("option", option, OPTIONS)
     trainable = _check_counts(num_params, ranks, trainable_params)
+    ring, apart = 0, 0  # bytes of the collectives over all ranks; of those that run otherwise
+    if quantize_grads is None:
+        ring += trainable * element_bytes
+    else:
+        _check_choice("quantize_grads", quantize_grads, ("int4", "int8"))
+        apart += sum(quantized_reduce_bytes(trainable, ranks, node_size or ranks, int(quantize_grads[3:])))
     if LAYOUTS[option].stage != 3:
-        return 2 * trainable * element_bytes * (ranks - 1) // ranks
-    forward = num_params + 4 * -(-num_params // DEFAULT_BLOCK_SIZE) if quantize_weights else num_params * element_bytes
-    return (forward + (num_params + trainable) * element_bytes) * (ranks - 1) // ranks
+        ring += trainable * element_bytes  # the all-gather of the updated parameters
+    else:
+        ring += num_params + 4 * -(-num_params // DEFAULT_BLOCK_SIZE) if quantize_weights else num_params * element_bytes
+        if hpz_group_size is None:
+            ring += num_params * element_bytes
+        else:
+            apart += num_params * element_bytes * (hpz_group_size - 1) // hpz_group_size
+    return ring * (ranks - 1) // ranks + apart
 
 
 def hybrid_communication_bytes(
     option: str, num_params: int, ranks: int, shard_group_size: int, element_bytes: int,
-    trainable_params: int | None = None, quantize_weights: bool = False,
+    trainable_params: int | None = None, quantize_weights: bool = False, hpz_group_size: int | None = None,
 ) -> tuple[int, int]:
     """Ring-equivalent bytes one rank moves per optimizer step under hybrid sharding, ``(inside its shard group,
     to the other groups)`` (see [Note: hybrid sharding] in sharding/topology.py): inside, the stage's collectives over
@@ -574,7 +591,7 @@ def hybrid_communication_bytes(
             f"shard_group_size={shard_group_size} is invalid for {ranks} ranks: it must divide the number of ranks"
         )
     inside = communication_bytes(option, num_params, shard_group_size, element_bytes, trainable_params,
-                                 quantize_weights)
+                                 quantize_weights, hpz_group_size)
     replicas = ranks // shard_group_size
     return inside, 2 * trainable * element_bytes * (replicas - 1) // (shard_group_size * replicas)
 

@@ -13,7 +13,10 @@ run over a world of ``K``, not of the whole world: the memory model is the optio
 communication is the option's collectives inside the group of ``K`` plus the all-reduce of its gradient shard across
 the ``R = N / K`` replicas (``estimate.hybrid_communication_bytes``); the latter, ``2 Ψ_t b (R-1) / (K R)``, is what
 crosses between groups, set against ``comm_stats.cross_group_bytes`` (equal when each group is one node). DDP's
-column stays DDP's: every rank holds everything, whatever the topology.
+column stays DDP's: every rank holds everything, whatever the topology. ZeRO++'s options change the modelled
+bytes as ``estimate.communication_bytes`` counts them (qwZ's int8 forward gathers, hpZ's backward gathers inside
+groups of ``hpz_group_size``, qgZ's two-stage exchange over the strategy's nodes). A flat run's bytes to other nodes
+are measured and reported, not modelled: how much of a ring or tree crosses depends on where the nodes cut it.
 
 [Note: where the report comes from]
 Every rank measures; at the end of training rank 0 owns the summary (the memory figures are the largest over ranks).
@@ -344,12 +347,13 @@ def _summarize(
     element_bytes = next((p.element_size() for p in pl_module.parameters() if p.requires_grad), 4)
     ideal = ideal_cross = None
     if option in estimate.LAYOUTS and comm:
-        quantized = isinstance(config, ZeroConfig) and config.stage3.quantize_weights
+        zeropp = _zeropp_options(trainer.strategy)
         if group is None:
-            ideal = estimate.communication_bytes(option, num_params, n, element_bytes, trainable, quantized)
-        else:
-            inside, ideal_cross = estimate.hybrid_communication_bytes(option, num_params, n, group, element_bytes,
-                                                                      trainable, quantized)
+            ideal = estimate.communication_bytes(option, num_params, n, element_bytes, trainable, **zeropp)
+        else:  # qgZ is refused under hybrid sharding
+            inside, ideal_cross = estimate.hybrid_communication_bytes(
+                option, num_params, n, group, element_bytes, trainable, zeropp["quantize_weights"],
+                zeropp["hpz_group_size"])
             ideal = inside + ideal_cross
     return MonitorSummary(
         option=option,
@@ -380,6 +384,17 @@ def _shard_group_size(strategy: pl.strategies.Strategy, world_size: int) -> int 
     config = getattr(strategy, "config", None)
     group = config.topology.shard_group_size if isinstance(config, ZeroConfig) else None
     return group if group is not None and group < world_size else None
+
+
+def _zeropp_options(strategy: pl.strategies.Strategy) -> dict[str, Any]:
+    """The ZeRO++ options ``estimate.communication_bytes`` takes, as the strategy runs them (none for other
+    strategies); ``node_size`` as the strategy's topology resolves it (qgZ's two stages)."""
+    config = getattr(strategy, "config", None)
+    if not isinstance(config, ZeroConfig):
+        return dict(quantize_weights=False, hpz_group_size=None, quantize_grads=None, node_size=None)
+    quantize_grads = config.comm.quantize_grads
+    return dict(quantize_weights=config.stage3.quantize_weights, hpz_group_size=config.topology.hpz_group_size,
+                quantize_grads=quantize_grads, node_size=strategy.topology().node_size if quantize_grads else None)
 
 
 def option_of(strategy: pl.strategies.Strategy) -> str | None:

@@ -156,9 +156,9 @@ def test_on_a_gpu_steps_are_timed_by_events_without_synchronizing(monkeypatch) -
     assert monitor.summary.throughput == (640 + 320) / 2  # the median over the steps after the first
 
 
-def _fit_steps(config, world_size: int, steps: int = 3) -> ZeroMonitor:
-    """``steps`` steps of a run under ``config`` on ``world_size`` ranks, on the host, each moving 3000 bytes of which
-    500 cross to other nodes; the module records 1000 fp32 parameters."""
+def _fit_steps(config, world_size: int, steps: int = 3, node_size: int | None = None) -> ZeroMonitor:
+    """``steps`` steps of a run under ``config`` on ``world_size`` ranks (in nodes of ``node_size``), on the host,
+    each moving 3000 bytes of which 500 cross to other nodes; the module records 1000 fp32 parameters."""
     from types import SimpleNamespace
 
     from lightning_zero.memory import ModelStateBytes
@@ -166,7 +166,8 @@ def _fit_steps(config, world_size: int, steps: int = 3) -> ZeroMonitor:
     stats = SimpleNamespace(total_bytes=0, cross_group_bytes=0)
     strategy = SimpleNamespace(config=config, root_device=torch.device("cpu"), comm_stats=stats,
                                model_state_bytes=lambda: ModelStateBytes(2000, 2000, 4000),
-                               reduce=lambda tensor, reduce_op: tensor)
+                               reduce=lambda tensor, reduce_op: tensor,
+                               topology=lambda: SimpleNamespace(node_size=node_size or world_size))
     trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=world_size, precision="32-true")
     module, monitor, batch = LoggingModule(), ZeroMonitor(), torch.zeros(2, 8, dtype=torch.long)
     module.num_parameters = module.num_trainable_parameters = 1000
@@ -215,3 +216,15 @@ def test_flat_runs_keep_the_world_and_count_quantized_weight_gathers() -> None:
     assert summary.ideal_comm_bytes_per_step < estimate.communication_bytes("zero3", 1000, 4, 4, 1000)
     assert summary.predicted[0] == 1000  # fp32 parameters sharded over the 4 ranks
     assert "of it sent to other nodes: 500 B" in format_report(summary)
+
+
+def test_the_communication_model_counts_hpz_and_qgz() -> None:
+    from lightning_zero.config import ZeroConfig
+
+    config = ZeroConfig.from_options(stage=3, hpz_group_size=2, quantize_grads="int4", node_size=2)
+    summary = _fit_steps(config, world_size=4, node_size=2).summary
+    # Psi = 1000 fp32 at 4 ranks in 2 nodes: the forward all-gather over the 4 ranks, 4000 B * 3/4 = 3000; hpZ's
+    # backward all-gather inside pairs, 4000 B * 1/2 = 2000; qgZ's reduce: a segment of 250 elements as one int4
+    # payload of 132 B (a 4 B scale, 125 B of codes, 3 B of alignment), sent to the other member of the node for each
+    # of the 2 nodes' segments (264 B) and across to one rank (132 B). Unquantized and without hpZ: 9000.
+    assert summary.ideal_comm_bytes_per_step == 3000 + 2000 + 264 + 132
