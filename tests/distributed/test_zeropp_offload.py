@@ -2,8 +2,8 @@
 with each offload (``offload_optimizer="cpu"``, with ``offload_params="cpu"``, and disk for both) bitwise the same
 offload without hpZ, its secondary shards on the training device; qwZ, qgZ (int4 under stage 3, int8 under zero1 and
 zero2 offload) and all three together bitwise the in-memory run with the same options, moving the same bytes across
-nodes every step (qwZ and hpZ under hybrid sharding with disk offload too); a zero3_offload_disk checkpoint with all
-three resumes bit-exact. One fork runs every case.
+nodes every step (all three in bf16-mixed, and qwZ and hpZ under hybrid sharding, with disk offload too); a
+zero3_offload_disk checkpoint with all three resumes bit-exact. One fork runs every case.
 
 The optimizer names its implementation (``foreach=False``, torch's single-tensor loop): offload keeps it (it
 otherwise steps with torch's fused CPU kernel, which rounds a few elements differently), so the offloaded host step
@@ -89,7 +89,7 @@ class StepLog(test_hpz.StepLog):
 
 
 def _fit(stage: int, zeropp: str, offload: str | None, root: Path, single_tensor: bool = True,
-         quantize_grads: str | None = None) -> dict:
+         quantize_grads: str | None = None, precision: str = "32-true") -> dict:
     pl.seed_everything(3, verbose=False)
     model = LanguageModel(GPT, lr=3e-3, warmup_steps=2)
     if single_tensor:
@@ -101,7 +101,8 @@ def _fit(stage: int, zeropp: str, offload: str | None, root: Path, single_tensor
         options["offload_dir"] = str(root)
     log, recorder = StepLog(), Recorder()
     strategy = ZeroStrategy(stage, units=("Block",), node_size=NODE, **options)
-    trainer = make_trainer(strategy, WORLD, max_steps=STEPS, callbacks=[log, recorder], gradient_clip_val=CLIP)
+    trainer = make_trainer(strategy, WORLD, max_steps=STEPS, callbacks=[log, recorder], gradient_clip_val=CLIP,
+                           precision=precision)
     trainer.fit(model, train_dataloaders=pattern_loader(GPT.vocab_size, GPT.seq_len, rows=128))
     return {"losses": recorder.losses, "params": recorder.params, "norms": log.norms, "ops": log.ops,
             "cross": log.cross, "forward_params": log.forward_params, "secondaries": log.secondaries,
@@ -132,6 +133,8 @@ def _run_all(rank: int, world_size: int, root: Path) -> dict:
     fits |= {(name, offload): _fit(3, name, offload, root) for offload in OFFLOADS for name in ZEROPP
              if name != "hybrid"}
     fits["hybrid", "disk"] = _fit(3, "hybrid", "disk", root)
+    for offload in (None, "disk"):
+        fits["all bf16", offload] = _fit(3, "all", offload, root, precision="bf16-mixed")
     for stage in (1, 2):  # qgZ under zero1_offload and zero2_offload, int8
         for offload in (None, "cpu"):
             fits[f"qgz zero{stage}", offload] = _fit(stage, "plain", offload, root, quantize_grads="int8")
@@ -181,6 +184,15 @@ def test_each_option_with_offload_is_bitwise_the_in_memory_run(ranks, zeropp: st
         quantized = {"qwz": "all_gather_quantized", "qgz": "reduce_scatter_quantized", "hpz": "all_gather_hpz"}
         for option, op in quantized.items():
             assert (op in offloaded["ops"][1]) is (zeropp in (option, "all")), (zeropp, op)
+
+
+def test_all_three_in_bf16_mixed_with_disk_offload_are_bitwise_the_in_memory_run(ranks) -> None:
+    """bf16 working weights and gradients quantized, fp32 masters stepped on the host from the bf16 gradient shards
+    read back from their files, as in memory they are stepped from the same shards."""
+    for rank, out in enumerate(ranks):
+        in_memory, offloaded = out["fits"]["all bf16", None], out["fits"]["all bf16", "disk"]
+        test_hpz._assert_bitwise(offloaded, in_memory, f"rank {rank} bf16")
+        assert offloaded["ops"] == in_memory["ops"] and offloaded["ops"][1] != out["fits"]["all", None]["ops"][1]
 
 
 def test_qwz_and_hpz_under_hybrid_sharding_with_disk_offload_are_bitwise_the_in_memory_run(ranks) -> None:
