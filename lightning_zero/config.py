@@ -59,7 +59,8 @@ class CommConfig:
         quantize_grads: ZeRO++'s qgZ: ``"int4"`` or ``"int8"`` reduces each gradient bucket as block-quantized
             payloads (one fp32 scale per 4096 elements) in two all-to-alls, inside the node then across nodes,
             dequantized before each fp32 sum (collectives.py, [Note: the quantized reduce-scatter]): int4 sends about
-            1/8 of fp32's bytes. ``None`` (default) reduces in full precision.
+            1/8 of fp32's bytes; with offload the reduced shards go where offload keeps them, as unquantized ones do.
+            ``None`` (default) reduces in full precision.
     """
 
     bucket_mb: float = 25.0
@@ -120,7 +121,8 @@ class Stage3Config:
         quantize_weights: ZeRO++'s qwZ: each unit's forward all-gather sends every rank's shard as int8, one fp32
             scale per block of 4096 elements (``sharding/quantize.py``), about a quarter of fp32's bytes and half of
             bf16's; every rank dequantizes the gathered payloads into the unit's working-dtype parameters. The fp32
-            master weights and the optimizer step stay exact, and the backward's all-gather full precision.
+            master weights and the optimizer step stay exact (offloaded too: shards kept on the host or disk are
+            copied to the device by the gather and quantized there), and the backward's all-gather full precision.
     """
 
     units: tuple[str, ...] = ()
@@ -203,7 +205,8 @@ class TopologyConfig:
             node), and the unit's backward all-gather runs inside that group from those slices, so none of it
             crosses nodes; costs ``Psi * b / K2`` bytes per rank from forward to backward (see [Note: hpZ's
             secondary shards] in sharding/unit_state.py). It must divide the shard group (``shard_group_size``, else
-            the world) and be smaller (checked at setup). ``None`` (default): off.
+            the world) and be smaller (checked at setup). The slices stay on the training device, with or without
+            offload (``offload_params`` too). ``None`` (default): off.
     """
 
     shard_group_size: int | None = None
@@ -319,19 +322,13 @@ class ZeroConfig:
                 f"offload_params={self.offload.offload_params!r} needs stage=3 (stages 1 and 2 keep full parameters "
                 f"on every rank), got stage={self.stage}: use offload_optimizer to offload stage {self.stage}'s states"
             )
-        offloaded = [f"{name}={getattr(self.offload, name)!r}" for name in ("offload_optimizer", "offload_params")
-                     if getattr(self.offload, name) is not None]
         if self.stage3.quantize_weights and self.stage != 3:
             raise ZeroConfigError(
                 f"quantize_weights=True needs stage=3 (it quantizes stage 3's parameter all-gathers), got "
                 f"stage={self.stage}"
             )
-        if self.stage3.quantize_weights and offloaded:
-            raise ZeroConfigError(
-                f"quantize_weights=True with {' and '.join(offloaded)} is not supported yet: drop one of them"
-            )
-        _refuse_with_hpz(self, offloaded)
-        _check_quantize_grads(self.comm.quantize_grads, self.topology.shard_group_size, offloaded)
+        _refuse_with_hpz(self)
+        _check_quantize_grads(self.comm.quantize_grads, self.topology.shard_group_size)
         policy = self.activation_checkpointing_policy
         entries = policy if isinstance(policy, (tuple, list, set, frozenset)) else [None]  # a str or class: no list
         if not all(isinstance(p, type) or (isinstance(p, str) and p) for p in entries):
@@ -369,15 +366,14 @@ class ZeroConfig:
         return [f.name for f in dataclasses.fields(Stage3Config) if getattr(self.stage3, f.name) != getattr(default, f.name)]
 
 
-def _refuse_with_hpz(config: ZeroConfig, offloaded: list[str]) -> None:
-    """hpZ (``hpz_group_size``) composes with stage 3's gathers freed after the forward only, on the device."""
+def _refuse_with_hpz(config: ZeroConfig) -> None:
+    """hpZ (``hpz_group_size``) serves stage 3's gathers freed after the forward only, inside the shard group."""
     hpz = config.topology.hpz_group_size
     if hpz is None:
         return
     group = config.topology.shard_group_size
     refusals = [
         (config.stage != 3, f"needs stage=3 (it serves stage 3's backward all-gathers), got stage={config.stage}"),
-        (bool(offloaded), f"with {' and '.join(offloaded)} is not supported yet: drop one of them"),
         (not config.stage3.reshard_after_forward, "with reshard_after_forward=False has nothing to do: the units "
          "stay gathered from forward to backward; drop one of them"),
         (group is not None and (hpz >= group or group % hpz), f"is invalid with shard_group_size={group}: it must "
@@ -388,9 +384,9 @@ def _refuse_with_hpz(config: ZeroConfig, offloaded: list[str]) -> None:
             raise ZeroConfigError(f"hpz_group_size={hpz!r} {why}")
 
 
-def _check_quantize_grads(quantize_grads: str | None, shard_group_size: int | None, offloaded: list[str]) -> None:
+def _check_quantize_grads(quantize_grads: str | None, shard_group_size: int | None) -> None:
     """qgZ's quantized reduce-scatter runs over the world's nodes: not under hybrid sharding, whose bytes across
-    nodes are the replica all-reduce it does not quantize, nor with offload (not supported yet)."""
+    nodes are the replica all-reduce it does not quantize."""
     if quantize_grads is None:
         return
     if shard_group_size is not None:
@@ -398,10 +394,6 @@ def _check_quantize_grads(quantize_grads: str | None, shard_group_size: int | No
             f"quantize_grads={quantize_grads!r} with shard_group_size={shard_group_size!r} is not supported: hybrid "
             "sharding's traffic across nodes is the full-precision all-reduce of the shard, which qgZ does not "
             "quantize; use node_size to tell qgZ where the nodes are instead"
-        )
-    if offloaded:
-        raise ZeroConfigError(
-            f"quantize_grads={quantize_grads!r} with {' and '.join(offloaded)} is not supported yet: drop one of them"
         )
 
 

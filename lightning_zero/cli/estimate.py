@@ -188,34 +188,37 @@ def _measured_step(args: argparse.Namespace) -> estimate.PeakInputs:
 def format_hybrid(total: int, trainable: int, world: int, group: int, precision: str, options: tuple[str, ...],
                   quantize_weights: bool = False) -> str:
     """Per option, the bytes one rank moves per step inside its shard group and across groups (zero3's forward
-    gathers as int8 blocks with ``quantize_weights``, which offload refuses)."""
+    gathers as int8 blocks with ``quantize_weights``, offloaded or not: offload moves the same bytes)."""
     element = estimate.working_bytes(precision)
     lines = [f"hybrid sharding: {world // group} groups of {group} ranks (the table above is per rank of a group); "
              "communication per rank and step (ring-equivalent; with one group per node, 'across groups' is what "
-             "crosses nodes):", "", f"{'option':<22}{'inside its group':>18}{'across groups':>16}"]
+             "crosses nodes):", "", f"{'option':<28}{'inside its group':>18}{'across groups':>16}"]
     for option in options:
-        qwz = quantize_weights and estimate.LAYOUTS[option].stage == 3 and option in estimate.IN_DEVICE_OPTIONS
+        qwz = quantize_weights and estimate.LAYOUTS[option].stage == 3
         inside, across = estimate.hybrid_communication_bytes(option, total, world, group, element, trainable, qwz)
         option = option + " (qwZ)" if qwz else option
-        lines.append(f"{option:<22}{estimate.format_bytes(inside):>18}{estimate.format_bytes(across):>16}")
+        lines.append(f"{option:<28}{estimate.format_bytes(inside):>18}{estimate.format_bytes(across):>16}")
     return "\n".join(lines)
 
 
 def format_hpz(total: int, ranks: int, hpz: int, precision: str) -> str:
-    """hpZ under zero3: the secondary shards' bytes per rank, and the backward all-gather inside the hpZ group in
-    place of the one over the ``ranks`` that shard the model (ring-equivalent bytes per rank and step)."""
+    """hpZ under zero3: the secondary shards' bytes per rank (on the training device, with offload too: they are
+    slices of the gathered units), and the backward all-gather inside the hpZ group in place of the one over the
+    ``ranks`` that shard the model (ring-equivalent bytes per rank and step)."""
     element, fmt = estimate.working_bytes(precision), estimate.format_bytes
     inside, instead = total * element * (hpz - 1) // hpz, total * element * (ranks - 1) // ranks
     secondary = estimate.hpz_bytes(total, precision, hpz)
-    return (f"hpZ (hpz_group_size={hpz}, zero3): the secondary shards add {fmt(secondary)} "
-            f"per rank from a unit's forward to its backward (Psi * b / {hpz}); the backward all-gather moves "
+    return (f"hpZ (hpz_group_size={hpz}, zero3): the secondary shards add {fmt(secondary)} per rank on the "
+            f"training device, offloaded or not, from a unit's forward to its backward (Psi * b / {hpz}); the "
+            f"backward all-gather moves "
             f"{fmt(inside)} per rank and step inside groups of {hpz} ranks (none across them) instead "
             f"of {fmt(instead)} over the {ranks} ranks that shard the model")
 
 
 def format_qgz(trainable: int, ranks: int, node_size: int, precision: str, quantize_grads: str) -> str:
     """qgZ: the bytes one rank sends per step in the gradient reduce, inside its node and across nodes, beside the
-    full-precision reduce-scatter's (ring-equivalent, all of it; the same for zero1, zero2 and zero3)."""
+    full-precision reduce-scatter's (ring-equivalent, all of it; the same for zero1, zero2 and zero3, offloaded or
+    not)."""
     if node_size < 1 or ranks % node_size:
         raise UsageError(f"--ranks-per-node={node_size} is invalid for --ranks={ranks}: it must divide the number of "
                          "ranks")

@@ -24,6 +24,26 @@ and no arena: the gradient shards already live in host memory, so each group mak
 them, and the updated rows are cast straight into the working shards; a CPU run holds no staging copy of either
 (measured in benchmarks/offload_rss.py: wΨ/N less peak RSS).
 
+[Note: ZeRO++ with offload]
+ZeRO++'s three options (stage 3's qwZ and hpZ, qgZ under every stage) change what the collectives move on the
+training device, never where the masters and optimizer states live or what the host step reads and writes, so they
+compose with every offload as they are:
+
+* qwZ: a unit's forward gather packs this rank's rows into its segment of the device buffer first, as unquantized:
+  with ``offload_params`` that pack is the copy from the host rows (or from disk offload's unit buffer, ``staged``),
+  guarded by the same ticket; the int8 payload is quantized from that device segment into a device table, which is
+  all-gathered. Every tensor handed to the collective is on the device, and nothing else reads the host rows.
+* hpZ: the secondary shard is a slice of the gathered device storage, kept on the device, and the backward gather
+  runs from it inside the hpZ group: it reads neither the host rows nor disk offload's files (one copy in, or one read
+  from disk, less per unit and step), and the host holds nothing more. On the device it adds ``Psi * b / K2`` from a
+  unit's forward to its backward, as without offload, where ``offload_params`` otherwise keeps only gradient shards.
+* qgZ: the two-stage exchange reduces the device bucket into its segment, which is stored as a gradient shard where
+  the offload keeps them (``grad_storage``: the device, or files on a host run with disk offload), then copied to the
+  host arena at the step as any gradient shard.
+
+So the offloaded run gathers, reduces and steps bitwise as the in-memory run with the same options when both step
+with the same optimizer implementation (tests/distributed/test_zeropp_offload.py).
+
 The optimizer runs torch's fused CPU kernel when its class has one (Adam, AdamW, SGD, Adagrad) and the user did not
 ask for another implementation: measured on one H200 machine's 16 host cores for 1.3B parameters, fused AdamW takes
 231 ms, foreach 1,093 ms (shared/gpu/README.md); on this project's 2 cores, 112 ms against 724 ms for 32M.

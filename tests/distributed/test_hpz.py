@@ -4,7 +4,7 @@ checkpointing; 4 x 1 and under hybrid sharding too; with qwZ against ``reshard_a
 backward's all-gathers crosses nodes and the bytes per step are flat zero3's with the backward gather moved inside
 the node; the secondary shards add exactly ``Psi * b / K2`` bytes per rank at the end of the forward, as
 ``estimate.hpz_bytes`` predicts; a resume is bit-exact and the checkpoint holds nothing new; topologies that do not
-fit are refused at setup. One fork runs every case (6 ranks as 3 nodes x 2 in another)."""
+fit are refused at setup (offload composes: test_zeropp_offload.py). One fork runs every case (6 ranks as 3 nodes x 2 in another)."""
 
 from __future__ import annotations
 
@@ -271,7 +271,6 @@ def test_an_hpz_group_that_does_not_fit_the_shard_group_fails_at_setup(ranks) ->
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"stage": 2}, r"^hpz_group_size=2 needs stage=3"),
-    ({"offload_optimizer": "cpu"}, r"^hpz_group_size=2 with offload_optimizer='cpu' is not supported"),
     ({"reshard_after_forward": False}, r"^hpz_group_size=2 with reshard_after_forward=False"),
     ({"shard_group_size": 2}, r"^hpz_group_size=2 is invalid with shard_group_size=2"),
     ({"shard_group_size": 6, "hpz_group_size": 4}, r"^hpz_group_size=4 is invalid with shard_group_size=6"),
@@ -281,6 +280,13 @@ def test_what_does_not_compose_is_refused_up_front(options: dict, message: str) 
     options = {"stage": 3, "hpz_group_size": 2} | options
     with pytest.raises(ZeroConfigError, match=message):
         ZeroStrategy(**options)
+
+
+def test_offload_composes() -> None:
+    """Each offload is accepted (tests/distributed/test_zeropp_offload.py trains with them)."""
+    for offload in ("cpu", "disk"):
+        strategy = ZeroStrategy(3, hpz_group_size=2, offload_optimizer=offload, offload_params=offload)
+        assert strategy.config.topology.hpz_group_size == 2
 
 
 # ------------------------------------------------------------------------------------------------- six ranks

@@ -359,9 +359,12 @@ def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
     # qwZ: zero3's forward gather as int8 codes and an fp32 scale per 4096 elements
     assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "2",
                  "--quantize-weights"]) == 0
-    line = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("zero3 (qwZ)"))
+    rows = {line.split(" (qwZ)")[0]: line.split()[2:4] for line in capfd.readouterr().out.splitlines()
+            if " (qwZ) " in line}
     forward = psi + 4 * -(-psi // 4096)
-    assert line.split()[2:4] == fmt((forward + 2 * psi * 4) // 2).split(), line
+    # offload moves the same bytes: every zero3 option's forward gathers are quantized, offloaded or not
+    assert set(rows) == {"zero3", "zero3_offload", "zero3_offload_params", "zero3_offload_disk"}
+    assert all(row == fmt((forward + 2 * psi * 4) // 2).split() for row in rows.values()), rows
     assert main(["estimate", "--params", "1B", "--quantize-weights"]) == 2
     assert "--quantize-weights needs --shard-group-size" in capfd.readouterr().err
 
@@ -372,8 +375,9 @@ def test_estimate_with_hpz_gives_the_secondary_shards_bytes(capfd):
                  "--hpz-group-size", "2"]) == 0
     line = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("hpZ"))
     fmt = estimate.format_bytes
-    assert line == (f"hpZ (hpz_group_size=2, zero3): the secondary shards add {fmt(psi)} per rank from a unit's "
-                    f"forward to its backward (Psi * b / 2); the backward all-gather moves {fmt(psi)} per rank and "
+    assert line == (f"hpZ (hpz_group_size=2, zero3): the secondary shards add {fmt(psi)} per rank on the training "
+                    f"device, offloaded or not, from a unit's forward to its backward (Psi * b / 2); the backward "
+                    f"all-gather moves {fmt(psi)} per rank and "
                     f"step inside groups of 2 ranks (none across them) instead of {fmt(2 * psi * 3 // 4)} over the 4 "
                     "ranks that shard the model")
     assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "2",

@@ -123,3 +123,43 @@ def test_composite_backends_and_policy_sets_are_accepted_as_lightning_takes_them
     assert strategy.config.activation_checkpointing_policy == (torch.nn.Linear,)
     with pytest.raises(ZeroConfigError, match="activation_checkpointing_policy"):
         ZeroStrategy(stage=3, activation_checkpointing_policy={torch.nn.Linear, 3})
+
+
+ZEROPP_OPTIONS = [{"hpz_group_size": 2}, {"quantize_weights": True}, {"quantize_grads": "int4"},
+                  {"hpz_group_size": 2, "quantize_weights": True, "quantize_grads": "int8"}]
+OFFLOAD_OPTIONS = [{"offload_optimizer": "cpu"}, {"offload_optimizer": "cpu", "offload_params": "cpu"},
+                   {"offload_optimizer": "disk"}, {"offload_optimizer": "disk", "offload_params": "disk"}]
+
+
+@pytest.mark.parametrize("zeropp", ZEROPP_OPTIONS)
+@pytest.mark.parametrize("offload", OFFLOAD_OPTIONS)
+def test_zeropp_options_compose_with_every_offload(zeropp: dict, offload: dict) -> None:
+    """hpZ, qwZ and qgZ with each offload are accepted as given (tests/distributed/test_zeropp_offload.py trains
+    them); qgZ with zero1/zero2 offload too."""
+    config = ZeroConfig.from_options(stage=3, **zeropp, **offload)
+    assert {k: config.options()[k] for k in (*zeropp, *offload)} == zeropp | offload
+    if "quantize_grads" in zeropp and "offload_params" not in offload:
+        for stage in (1, 2):
+            assert ZeroConfig.from_options(stage=stage, quantize_grads="int4", **offload).stage == stage
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"stage": 2, "quantize_weights": True, "offload_optimizer": "cpu"},
+         "quantize_weights=True needs stage=3 (it quantizes stage 3's parameter all-gathers), got stage=2"),
+        ({"stage": 2, "hpz_group_size": 2, "offload_optimizer": "cpu"},
+         "hpz_group_size=2 needs stage=3 (it serves stage 3's backward all-gathers), got stage=2"),
+        ({"stage": 3, "hpz_group_size": 2, "reshard_after_forward": False, "offload_optimizer": "disk"},
+         "hpz_group_size=2 with reshard_after_forward=False has nothing to do: the units stay gathered from forward "
+         "to backward; drop one of them"),
+        ({"stage": 3, "quantize_grads": "int4", "shard_group_size": 2, "offload_optimizer": "cpu"},
+         "quantize_grads='int4' with shard_group_size=2 is not supported: hybrid sharding's traffic across nodes is "
+         "the full-precision all-reduce of the shard"),
+    ],
+)
+def test_what_stays_refused_with_offload_is_refused_for_its_own_reason(kwargs, message) -> None:
+    """Offload changes none of the ZeRO++ refusals; each stays one line naming its own reason."""
+    with pytest.raises(ZeroConfigError, match=re.escape(message)) as raised:
+        ZeroConfig.from_options(**kwargs)
+    assert "\n" not in str(raised.value) and "offload" not in str(raised.value)

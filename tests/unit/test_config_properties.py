@@ -132,17 +132,11 @@ def _blamed(options: dict[str, tuple[Any, bool]]) -> set[str]:
         ({"offload_params", "offload_optimizer"}, value["offload_params"] is not None
          and (value["offload_optimizer"] is None or value["offload_params"] == "disk" != value["offload_optimizer"])),
         ({"offload_params", "stage"}, value["offload_params"] is not None and value["stage"] != 3),
-        ({"shard_group_size", "offload_optimizer", "offload_params"}, value["shard_group_size"] is not None
-         and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
         ({"quantize_weights", "stage"}, value["quantize_weights"] is True and value["stage"] != 3),
-        ({"quantize_weights", "offload_optimizer", "offload_params"}, value["quantize_weights"] is True
-         and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
-        ({"hpz_group_size", "stage", "offload_optimizer", "offload_params", "reshard_after_forward",
-          "shard_group_size"}, value["hpz_group_size"] is not None and _hpz_refused(value)),
+        ({"hpz_group_size", "stage", "reshard_after_forward", "shard_group_size"},
+         value["hpz_group_size"] is not None and _hpz_refused(value)),
         ({"quantize_grads", "shard_group_size"}, value["quantize_grads"] is not None
          and value["shard_group_size"] is not None),
-        ({"quantize_grads", "offload_optimizer", "offload_params"}, value["quantize_grads"] is not None
-         and (value["offload_optimizer"] is not None or value["offload_params"] is not None)),
         ({"heartbeat_s", "failure_timeout_s"}, value["failure_timeout_s"] is not None
          and not value["heartbeat_s"] < value["failure_timeout_s"]),
     ]
@@ -150,11 +144,10 @@ def _blamed(options: dict[str, tuple[Any, bool]]) -> set[str]:
 
 
 def _hpz_refused(value: dict[str, Any]) -> bool:
-    """hpZ needs stage 3, no offload, units freed after forward, and to fit a given shard group."""
+    """hpZ needs stage 3, units freed after forward, and to fit a given shard group."""
     hpz, group = value["hpz_group_size"], value["shard_group_size"]
-    offloaded = value["offload_optimizer"] is not None or value["offload_params"] is not None
     misfit = group is not None and (hpz >= group or group % hpz)
-    return value["stage"] != 3 or offloaded or not value["reshard_after_forward"] or bool(misfit)
+    return value["stage"] != 3 or not value["reshard_after_forward"] or bool(misfit)
 
 
 def _names_one_of(message: str, names: set[str]) -> bool:

@@ -335,6 +335,20 @@ def test_peak_of_a_zero3_step_with_hpz_adds_the_units_secondary_shards():
     assert peak_estimate("zero2", N_PARAMS, 4, STEP, batch=3, hpz_group_size=2).terms["secondaries"] == 0
 
 
+@pytest.mark.parametrize("option", ["zero3_offload", "zero3_offload_params", "zero3_offload_disk"])
+@pytest.mark.parametrize("shared_host", [True, False])
+def test_peak_with_offload_and_hpz_adds_the_same_secondary_shards(option: str, shared_host: bool):
+    """hpZ's secondaries are slices of the gathered units, on the training device whatever offload keeps on the host
+    or disk: the same term as in-device zero3's, added to every offloaded layout's step (and, on a GPU, to the
+    device's share, which offload otherwise lowers)."""
+    in_device = peak_estimate("zero3", N_PARAMS, 4, STEP, batch=3, bucket_mb=1.0, hpz_group_size=2)
+    plain = peak_estimate(option, N_PARAMS, 4, STEP, batch=3, bucket_mb=1.0, shared_host=shared_host)
+    hpz = peak_estimate(option, N_PARAMS, 4, STEP, batch=3, bucket_mb=1.0, shared_host=shared_host, hpz_group_size=2)
+    assert hpz.terms["secondaries"] == in_device.terms["secondaries"] > 0
+    assert hpz.phases["steady_step"] == plain.phases["steady_step"] + hpz.terms["secondaries"]
+    assert hpz.phases["setup"] == plain.phases["setup"]
+
+
 def test_quantized_reduce_bytes_are_the_payloads_of_a_segment():
     from lightning_zero.estimate import quantized_reduce_bytes
 
