@@ -612,17 +612,19 @@ def hpz_bytes(num_params: int, precision: str, hpz_group_size: int) -> int:
 def quantized_reduce_bytes(trainable_params: int, ranks: int, node_size: int, bits: int) -> tuple[int, int]:
     """qgZ (``quantize_grads``): the bytes one rank sends per step in the gradient reduce, ``(inside its node, across
     nodes)``, for ``ranks`` ranks in nodes of ``node_size``: its segment ``S = ceil(Ψ_t / N)`` is sent as block
-    payloads ``P`` (``bits`` 4 or 8, an fp32 scale per 4096 elements), ``(K - 1) G P`` to the other members of its
-    node and ``(G - 1) P`` across (collectives.py, [Note: the quantized reduce-scatter]). Counted as one block run:
+    payloads (an fp32 scale per 4096 elements), ``(K - 1) G P8`` to the other members of its node as int8 and
+    ``(G - 1) P`` across as ``bits`` 4 or 8 (collectives.py, [Note: the quantized reduce-scatter], [Note: qgZ's two
+    formats]). Counted as one block run:
     blocks restart at each parameter, which adds at most a scale and 3 bytes of alignment per parameter to ``P``."""
     trainable = _check_counts(trainable_params, ranks, None)
     if node_size < 1 or ranks % node_size:
         raise EstimateError(f"node_size={node_size} is invalid for {ranks} ranks: it must divide the number of ranks")
     if bits not in (4, 8):
         raise EstimateError(f"bits={bits} is invalid: qgZ quantizes to 4 or 8 bits")
-    payload = BlockFormat(bits=bits).layout(-(-trainable // ranks)).nbytes
+    segment = -(-trainable // ranks)
     nodes = ranks // node_size
-    return (node_size - 1) * nodes * payload, (nodes - 1) * payload
+    inside, across = BlockFormat(bits=8).layout(segment).nbytes, BlockFormat(bits=bits).layout(segment).nbytes
+    return (node_size - 1) * nodes * inside, (nodes - 1) * across
 
 
 def parse_count(text: str) -> int:

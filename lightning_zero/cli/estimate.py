@@ -229,7 +229,8 @@ def format_qgz(trainable: int, ranks: int, node_size: int, precision: str, quant
     full = trainable * estimate.working_bytes(precision) * (ranks - 1) // ranks
     fmt = estimate.format_bytes
     return (f"qgZ ({quantize_grads}) over {ranks // node_size} node(s) of {node_size} ranks: the gradient reduce "
-            f"sends per rank and step {fmt(inside)} inside its node and {fmt(across)} across nodes ({fmt(full)} in "
+            f"sends per rank and step {fmt(inside)} inside its node (int8) and {fmt(across)} across nodes "
+            f"({quantize_grads}; {fmt(full)} in "
             f"all unquantized, {precision})")
 
 

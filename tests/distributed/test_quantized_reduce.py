@@ -60,7 +60,8 @@ SHAPES = [(130, 130), (), (1,), (7,), (9000,)]  # rows not a multiple of 4, segm
 
 def _collective(rank: int, case: str, bits: int) -> dict:
     """Rank ``rank``'s reduced segment and ``reference_two_stage_reduce_scatter``'s for it (from every rank's
-    buffer, packed and divided as ``reduce_scatter`` does), and the bytes recorded."""
+    buffer, packed and divided as ``reduce_scatter`` does; int8 inside the node, ``bits`` across), and the bytes
+    recorded."""
     fmt = BlockFormat(bits=bits)
     stats = CommStats()
     comms = Collectives(torch.device("cpu"), stats=stats, node_size=NODE)
@@ -77,7 +78,7 @@ def _collective(rank: int, case: str, bits: int) -> dict:
     tables, want, start = [b.view(WORLD, -1) for b in buffers], [], 0
     for numel in bucket.padded_numels:
         rows = [t[:, start : start + numel].reshape(-1) for t in tables]
-        want.append(reference_two_stage_reduce_scatter(rows, NODE, fmt)[rank])
+        want.append(reference_two_stage_reduce_scatter(rows, NODE, BlockFormat(bits=8), fmt)[rank])
         start += numel
     want = torch.cat(want)
     op = stats.by_op["reduce_scatter_quantized"]
@@ -223,29 +224,30 @@ def test_an_inf_becomes_a_nan_in_its_block_only(ranks) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_collective_bytes_are_the_payloads(ranks, bits) -> None:
-    """2 nodes x 2: a rank sends its node's other member ``G = 2`` segment payloads, and the rank at its position on
-    the other node one payload; only that one crosses."""
+    """2 nodes x 2: a rank sends its node's other member ``G = 2`` segment payloads as int8, and the rank at its
+    position on the other node one payload of ``bits``; only that one crosses."""
     for out in ranks:
         result = out["collective"][("random", bits)]
-        payload = sum(_payload_bytes(numel, bits) for numel in result["parts"])
-        assert result["bytes"] == (3 * payload, payload)
+        inside, across = (sum(_payload_bytes(numel, b) for numel in result["parts"]) for b in (8, bits))
+        assert result["bytes"] == (2 * inside + across, across)
 
 
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 def test_gradient_reduce_bytes_across_nodes_are_the_formula(ranks, quantize) -> None:
     """Stage 2 on the GPT (every gradient in one bucket of ``S`` elements a rank, no other reduction): per step
-    a rank sends ``P`` across nodes, ``3 P`` in all, ``P`` the sum over parameters of the payload of its ``S_p``
-    padded rows; the unquantized reduce-scatter sends ``4 S`` bytes to each of 3 peers, 2 of them across. int4:
-    about 1/8 of fp32's bytes per peer node."""
+    a rank sends ``P`` across nodes, ``2 P8 + P`` in all, ``P`` the sum over parameters of the payload of its
+    ``S_p`` padded rows (``P8`` as int8, the format inside the node); the unquantized reduce-scatter sends ``4 S``
+    bytes to each of 3 peers, 2 of them across. int4: about 1/8 of fp32's bytes per peer node."""
     bits = BITS[quantize]
     shapes = ranks[0]["gpt"][(2, None)]["shapes"]
     segment = _segment(shapes, WORLD)
-    payload = sum(_payload_bytes(ShardSpec(torch.Size(shape), 0, WORLD).padded_numel, bits) for shape in shapes)
+    payload, inside = (sum(_payload_bytes(ShardSpec(torch.Size(shape), 0, WORLD).padded_numel, b) for shape in shapes)
+                       for b in (bits, 8))
     for rank, out in enumerate(ranks):
         plain, qgz = out["gpt"][(2, None)], out["gpt"][(2, quantize)]
         assert qgz["calls"] == STEPS and qgz["cross"] == STEPS * payload, rank
         for step, reference in zip(qgz["bytes"], plain["bytes"]):
-            assert step["reduce_scatter_quantized"] == 3 * payload and "reduce_scatter" not in step
+            assert step["reduce_scatter_quantized"] == 2 * inside + payload and "reduce_scatter" not in step
             assert reference["reduce_scatter"] == 3 * 4 * segment
         ratio = payload / (4 * segment)
         assert (0.125 < ratio < 0.128) if bits == 4 else (0.25 < ratio < 0.253)

@@ -391,11 +391,13 @@ def test_estimate_counts_the_quantized_gradient_reduce(capfd):
     assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--ranks-per-node", "2", "--quantize-grads",
                  "int4", "--budget-gb", "1"]) == 0
     line = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("qgZ"))
-    payload = -(-(-(-psi // 4) // 2 + 4 * -(-(-(-psi // 4)) // 4096)) // 4) * 4
+    segment = -(-psi // 4)
+    blocks = -(-segment // 4096)
+    int4, int8 = -(-(-(-segment // 2) + 4 * blocks) // 4) * 4, -(-(segment + 4 * blocks) // 4) * 4
     fmt = estimate.format_bytes
     assert line == (f"qgZ (int4) over 2 node(s) of 2 ranks: the gradient reduce sends per rank and step "
-                    f"{fmt(2 * payload)} inside its node and {fmt(payload)} across nodes ({fmt(psi * 4 * 3 // 4)} in "
-                    "all unquantized, 32-true)")
+                    f"{fmt(2 * int8)} inside its node (int8) and {fmt(int4)} across nodes (int4; "
+                    f"{fmt(psi * 4 * 3 // 4)} in all unquantized, 32-true)")
     assert main(["estimate", "--params", "1B", "--ranks", "4", "--shard-group-size", "2", "--quantize-grads",
                  "int4"]) == 2
     assert "--quantize-grads with --shard-group-size: hybrid sharding refuses quantize_grads" in capfd.readouterr().err

@@ -354,11 +354,12 @@ def test_quantized_reduce_bytes_are_the_payloads_of_a_segment():
 
     psi = 1_000_000
     segment = psi // 8  # 125000 elements a rank: 31 blocks of 4096 (the last partial)
-    int4 = -(-(segment // 2 + 4 * 31) // 4) * 4
-    # 2 nodes x 4: three peers in the node get both nodes' segments, the one peer across gets the partial sum
-    assert quantized_reduce_bytes(psi, 8, 4, 4) == (3 * 2 * int4, int4)
-    assert quantized_reduce_bytes(psi, 8, 4, 8) == (3 * 2 * (segment + 4 * 31), segment + 4 * 31)
-    assert quantized_reduce_bytes(psi, 8, 8, 4) == (7 * int4, 0)  # one node: nothing crosses
+    int4, int8 = -(-(segment // 2 + 4 * 31) // 4) * 4, segment + 4 * 31
+    # 2 nodes x 4: three peers in the node get both nodes' segments as int8, the one peer across gets the partial sum
+    # in the format asked for
+    assert quantized_reduce_bytes(psi, 8, 4, 4) == (3 * 2 * int8, int4)
+    assert quantized_reduce_bytes(psi, 8, 4, 8) == (3 * 2 * int8, int8)
+    assert quantized_reduce_bytes(psi, 8, 8, 4) == (7 * int8, 0)  # one node: nothing crosses
     assert 0.125 < int4 / (4 * segment) < 0.126  # about 1/8 of fp32's bytes across
     with pytest.raises(EstimateError, match="node_size=3 is invalid for 8 ranks"):
         quantized_reduce_bytes(psi, 8, 3, 4)

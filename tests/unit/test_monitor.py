@@ -224,7 +224,8 @@ def test_the_communication_model_counts_hpz_and_qgz() -> None:
     config = ZeroConfig.from_options(stage=3, hpz_group_size=2, quantize_grads="int4", node_size=2)
     summary = _fit_steps(config, world_size=4, node_size=2).summary
     # Psi = 1000 fp32 at 4 ranks in 2 nodes: the forward all-gather over the 4 ranks, 4000 B * 3/4 = 3000; hpZ's
-    # backward all-gather inside pairs, 4000 B * 1/2 = 2000; qgZ's reduce: a segment of 250 elements as one int4
-    # payload of 132 B (a 4 B scale, 125 B of codes, 3 B of alignment), sent to the other member of the node for each
-    # of the 2 nodes' segments (264 B) and across to one rank (132 B). Unquantized and without hpZ: 9000.
-    assert summary.ideal_comm_bytes_per_step == 3000 + 2000 + 264 + 132
+    # backward all-gather inside pairs, 4000 B * 1/2 = 2000; qgZ's reduce: a segment of 250 elements, sent to the
+    # other member of the node for each of the 2 nodes' segments as int8 payloads of 256 B (a 4 B scale, 250 B of
+    # codes, 2 B of alignment), 512 B, and across to one rank as an int4 payload of 132 B (125 B of codes, 3 of
+    # alignment). Unquantized and without hpZ: 9000.
+    assert summary.ideal_comm_bytes_per_step == 3000 + 2000 + 512 + 132
