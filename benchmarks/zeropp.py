@@ -26,6 +26,15 @@ Curves: 300 steps, flat ZeRO-3 on the same 4 ranks, the global batch's loss per 
 rank's loss), for each entry of ``CURVES``: the mean of the last 50 steps against the unquantized run of the same
 seed, and the spread of the unquantized runs of two seeds.
 
+[Note: the learning rate of the curves]
+A quantized run is set against the unquantized run of its own seed, so the comparison measures quantization only
+where the unquantized runs themselves are reproducible. At the bytes runs' peak learning rate, 2e-3, they are not:
+of three seeds, one sits on a plateau near loss 3.0 (the byte bigrams, before attention is of use) for ~100 steps and
+ends its last 50 steps at 2.43 where the others end at 2.00 and 2.08 (17-21% apart), and whichever run a
+perturbation, quantized or not, pushes off the plateau earlier ends percents lower (the first curves, at 2e-3, had
+qgZ -14.9% on that seed and +2.7% on the other). At 1e-3 the three seeds end within 0.8% of one another (2.176,
+2.194, 2.180; a single-process replay of the same data and arithmetic), so the curves run at 1e-3.
+
     python benchmarks/zeropp.py                   # bytes and step time, every configuration (~5-10 min on 2 cores)
     python benchmarks/zeropp.py --configs zero3,zero3_hybrid --steps 4
     python benchmarks/zeropp.py --curves          # loss curves (~10-15 min on 2 cores)
@@ -185,6 +194,9 @@ CURVES = [
     ("zero3_zeropp", 2, 0.03),
 ]
 CURVE_STEPS, CURVE_TAIL = 300, 50
+#: The curves' peak learning rate: half the bytes runs' (``OPTIMIZER``), where the unquantized runs of different seeds
+#: end where the same run would: see [Note: the learning rate of the curves].
+CURVE_LR = 1e-3
 
 
 # ------------------------------------------------------------------------------------------------------ worker
@@ -251,7 +263,7 @@ def _run_lightning(config: Config, spec: dict, batches, marks: _Marks) -> int:
     units = {"units": ("Block",)} if stage == 3 else {}
     strategy = ZeroStrategy(stage, node_size=NODE, **units, **options)
     pl.seed_everything(spec["seed"], verbose=False)
-    module = LanguageModel(GPTConfig(**spec["model"]), **OPTIMIZER)
+    module = LanguageModel(GPTConfig(**spec["model"]), **spec["optimizer"])
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=WORLD, num_nodes=1, max_steps=len(batches),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
@@ -282,10 +294,11 @@ def _run_fsdp2(config: Config, spec: dict, batches, marks: _Marks) -> int:
     fully_shard(model, mesh=mesh)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIMIZER["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=OPTIMIZER["lr"], betas=OPTIMIZER["betas"])
+    hp = spec["optimizer"]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=hp["lr"], betas=hp["betas"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(
-        step, OPTIMIZER["warmup_steps"], len(batches), OPTIMIZER["min_lr_ratio"]))
+        step, hp["warmup_steps"], len(batches), hp["min_lr_ratio"]))
     for step, (x, y) in enumerate(batches):
         marks.step_start(step)
         loss = _next_token_loss(model(x), y)
@@ -328,12 +341,14 @@ def _free_port() -> int:
 
 
 def launch(config: Config, model: dict, seed: int, steps_total: int, marked: tuple[int, ...], workdir: str,
-           timeout: float) -> dict:
-    """Run ``config`` on WORLD fresh processes; their records by rank, and the store's port."""
+           timeout: float, lr: float = OPTIMIZER["lr"]) -> dict:
+    """Run ``config`` on WORLD fresh processes at peak learning rate ``lr``; their records by rank, and the store's
+    port."""
     os.makedirs(workdir, exist_ok=True)
     out = os.path.join(workdir, f"{config.name}.s{seed}")
     port = _free_port()
-    spec = dict(config=config.name, model=model, seed=seed, steps_total=steps_total, marked=list(marked), out=out)
+    spec = dict(config=config.name, model=model, seed=seed, steps_total=steps_total, marked=list(marked), out=out,
+                optimizer=dict(OPTIMIZER, lr=lr))
     procs = []
     t0 = time.time()
     for rank in range(WORLD):
@@ -409,8 +424,8 @@ def measure_bytes(config: Config, model: dict, warmup: int, steps: int, workdir:
 
 
 def curve(config: Config, model: dict, seed: int, steps: int, workdir: str, timeout: float) -> list[float]:
-    """The global batch's loss per step (mean over ranks) of one run."""
-    run = launch(config, model, seed, steps, (), workdir, timeout)
+    """The global batch's loss per step (mean over ranks) of one run at ``CURVE_LR``."""
+    run = launch(config, model, seed, steps, (), workdir, timeout, CURVE_LR)
     ranks = run["ranks"]
     return [statistics.fmean(ranks[r]["losses"][i] for r in ranks) for i in range(steps)]
 
@@ -472,7 +487,7 @@ def render_bytes(part: dict) -> list[str]:
 def render_curves(part: dict, png_rel: str | None) -> list[str]:
     lines = [f"{part['started']}, `{part['command']}`: {part['steps']} steps of flat ZeRO-3 on {WORLD} CPU ranks "
              f"(2 nodes x 2), the small GPT, global batch {WORLD * BATCH} x {part['model']['seq_len']} tokens, AdamW "
-             f"lr {OPTIMIZER['lr']} (warm-up {OPTIMIZER['warmup_steps']}, cosine to {OPTIMIZER['min_lr_ratio']}x); "
+             f"lr {part.get('lr', OPTIMIZER['lr'])} (warm-up {OPTIMIZER['warmup_steps']}, cosine to {OPTIMIZER['min_lr_ratio']}x); "
              f"mean loss of the last {part['tail']} steps.", ""]
     if png_rel:
         lines += [f"![loss curves, unquantized (two seeds) and quantized]({png_rel})", ""]
@@ -583,7 +598,8 @@ def main(argv=None) -> int:
     if args.curves:
         runs = []
         kept = {(r["name"], r["seed"]): r["losses"] for r in results.get("curves", {}).get("runs", [])
-                if args.reuse and results["curves"]["steps"] == args.curve_steps and results["curves"]["model"] == model}
+                if args.reuse and results["curves"]["steps"] == args.curve_steps and results["curves"]["model"] == model
+                and results["curves"].get("lr", OPTIMIZER["lr"]) == CURVE_LR}
         for name, seed, tolerance in CURVES:
             t0 = time.time()
             losses = kept.get((name, seed)) or curve(by_name[name], model, seed, args.curve_steps, args.workdir,
@@ -592,7 +608,7 @@ def main(argv=None) -> int:
             print(f"[zeropp] {name} seed {seed}: last-{CURVE_TAIL} mean {_tail(runs[-1], CURVE_TAIL):.4f} "
                   f"({time.time() - t0:.0f} s)", flush=True)
         results["curves"] = dict(started=started, command=command, model=model, steps=args.curve_steps,
-                                 tail=min(CURVE_TAIL, args.curve_steps), runs=runs, commit=_commit())
+                                 tail=min(CURVE_TAIL, args.curve_steps), lr=CURVE_LR, runs=runs, commit=_commit())
         png = os.path.splitext(args.results)[0] + "_curves.png"
         if not plot_curves(results["curves"], png):
             print("[zeropp] plot skipped: matplotlib is not installed", flush=True)
