@@ -103,11 +103,11 @@ def _zero12(s: Sizes, ag: float) -> float:
     return s.psi * s.b * (RS_SHARE + ag)
 
 
-def _zero3(s: Sizes, ag: float, forward_bytes: float | None = None) -> float:
-    """Flat ZeRO-3: the units gathered twice (forward at ``forward_bytes`` an element, b unless qwZ; backward at b)
+def _zero3(s: Sizes, ag: float, gather_bytes: float | None = None) -> float:
+    """Flat ZeRO-3: the units gathered twice (forward and backward, at ``gather_bytes`` an element: b unless qwZ)
     and reduced once, the root gathered once and reduced once."""
-    forward = s.b if forward_bytes is None else forward_bytes
-    return ag * (s.units * (forward + s.b) + s.root * forward) + RS_SHARE * s.psi * s.b
+    gather = s.b if gather_bytes is None else gather_bytes
+    return ag * gather * (2 * s.units + s.root) + RS_SHARE * s.psi * s.b
 
 
 def _replica_allreduce(s: Sizes, ag: float) -> float:
@@ -163,7 +163,7 @@ CONFIGS = [
     Config("zero3_hybrid", "ZeRO-3 hybrid (shard_group_size=2)", "lz", dict(stage=3, shard_group_size=NODE),
            "b Psi/2", _replica_allreduce, "2 (R-1)/R Psi b / K"),
     Config("zero3_qwz", "ZeRO-3 flat + qwZ (quantize_weights)", "lz", dict(stage=3, quantize_weights=True),
-           "a ((1 + 4/4096) Psi + b Psi_u) + b Psi/2", lambda s, ag: _zero3(s, ag, QWZ_BYTES), "(2 + 1/b) Psi b"),
+           "a (1 + 4/4096)(2 Psi_u + Psi_r) + b Psi/2", lambda s, ag: _zero3(s, ag, QWZ_BYTES), "(1 + 2/b) Psi b"),
     Config("zero3_hybrid_qwz", "ZeRO-3 hybrid + qwZ", "lz", dict(stage=3, shard_group_size=NODE,
                                                                   quantize_weights=True),
            "b Psi/2", _replica_allreduce, "2 (R-1)/R Psi b / K"),

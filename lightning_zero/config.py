@@ -118,11 +118,12 @@ class Stage3Config:
             reduction buffers kept across units and steps hold at most this many MiB; ``None`` (default): twice the
             largest unit's buffer (the root unit, gathered once a step, not counted); 0 keeps none. Counted in
             ``model_state_bytes()`` as ``buffers``.
-        quantize_weights: ZeRO++'s qwZ: each unit's forward all-gather sends every rank's shard as int8, one fp32
+        quantize_weights: ZeRO++'s qwZ: each unit's all-gather in a step sends every rank's shard as int8, one fp32
             scale per block of 4096 elements (``sharding/quantize.py``), about a quarter of fp32's bytes and half of
             bf16's; every rank dequantizes the gathered payloads into the unit's working-dtype parameters. The fp32
             master weights and the optimizer step stay exact (offloaded too: shards kept on the host or disk are
-            copied to the device by the gather and quantized there), and the backward's all-gather full precision.
+            copied to the device by the gather and quantized there). The backward's all-gathers are quantized alike
+            (the same weights as the forward's, bitwise), unless hpZ serves them from its secondary shards.
     """
 
     units: tuple[str, ...] = ()

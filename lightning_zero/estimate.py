@@ -549,10 +549,11 @@ def communication_bytes(
     backward) and reduce-scatters the gradients: (2 Ψ + Ψ_t)(N-1)/N. Ψ_t counts trainable parameters: frozen ones
     are never reduced nor re-gathered after a step. ZeRO++'s options change one term each:
 
-    - ``quantize_weights`` (zero3's qwZ): the forward all-gather moves int8 codes and one fp32 scale per block of
-      4096, about ``1 + 4/4096`` bytes per element instead of ``element_bytes`` (blocks restart at each parameter: a
+    - ``quantize_weights`` (zero3's qwZ): the all-gathers move int8 codes and one fp32 scale per block of 4096,
+      about ``1 + 4/4096`` bytes per element instead of ``element_bytes`` (blocks restart at each parameter: a
       little more for many small parameters);
-    - ``hpz_group_size=K2`` (zero3's hpZ): the backward all-gather runs inside groups of ``K2``, Ψ (K2-1)/K2;
+    - ``hpz_group_size=K2`` (zero3's hpZ): the backward all-gather runs inside groups of ``K2``, Ψ (K2-1)/K2, in
+      full precision (from the secondary shards, which hold what the forward computed with);
     - ``quantize_grads`` (``"int4"``/``"int8"``, qgZ): the reduce-scatter is the two-stage exchange of
       ``quantized_reduce_bytes`` over nodes of ``node_size`` ranks (default: one node of all ``ranks``).
     """
@@ -567,9 +568,11 @@ def communication_bytes(
     if LAYOUTS[option].stage != 3:
         ring += trainable * element_bytes  # the all-gather of the updated parameters
     else:
-        ring += num_params + 4 * -(-num_params // DEFAULT_BLOCK_SIZE) if quantize_weights else num_params * element_bytes
+        gather = (num_params + 4 * -(-num_params // DEFAULT_BLOCK_SIZE) if quantize_weights
+                  else num_params * element_bytes)
+        ring += gather
         if hpz_group_size is None:
-            ring += num_params * element_bytes
+            ring += gather
         else:
             apart += num_params * element_bytes * (hpz_group_size - 1) // hpz_group_size
     return ring * (ranks - 1) // ranks + apart

@@ -57,8 +57,8 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one host (default: --ranks)")
     parser.add_argument("--no-offload", action="store_true", help="consider only the options without offload")
     parser.add_argument(
-        "--quantize-weights", action="store_true", help="with --shard-group-size: zero3's forward all-gathers as int8 "
-        "blocks (ZeroStrategy(quantize_weights=True), ZeRO++'s qwZ)"
+        "--quantize-weights", action="store_true", help="with --shard-group-size: zero3's all-gathers as int8 blocks "
+        "(ZeroStrategy(quantize_weights=True), ZeRO++'s qwZ)"
     )
     parser.add_argument(
         "--quantize-grads", choices=("int4", "int8"), default=None, help="the gradient reduce as int4 or int8 blocks "
@@ -187,8 +187,8 @@ def _measured_step(args: argparse.Namespace) -> estimate.PeakInputs:
 
 def format_hybrid(total: int, trainable: int, world: int, group: int, precision: str, options: tuple[str, ...],
                   quantize_weights: bool = False) -> str:
-    """Per option, the bytes one rank moves per step inside its shard group and across groups (zero3's forward
-    gathers as int8 blocks with ``quantize_weights``, offloaded or not: offload moves the same bytes)."""
+    """Per option, the bytes one rank moves per step inside its shard group and across groups (zero3's gathers as
+    int8 blocks with ``quantize_weights``, offloaded or not: offload moves the same bytes)."""
     element = estimate.working_bytes(precision)
     lines = [f"hybrid sharding: {world // group} groups of {group} ranks (the table above is per rank of a group); "
              "communication per rank and step (ring-equivalent; with one group per node, 'across groups' is what "

@@ -16,17 +16,17 @@ whole step and reduced last. Activation checkpointing re-runs a unit's forward i
 make sure the unit is gathered, in state ``BACKWARD``, so recomputation costs no extra all-gather.
 
 [Note: which gathers qwZ quantizes]
-With ``quantize_weights`` the gathers a forward issues are quantized (collectives.py, [Note: the quantized
-all-gather]): the pre-forward hook's and its prefetches, in training and evaluation, and the root unit's at the start
-of a step, which then serves the backward too (as a unit kept from forward to backward by
-``reshard_after_forward=False`` does). The backward's gathers (the pre-backward hook's, its prefetches, and
-activation checkpointing's recomputation, which reuses them) are full precision (ZeRO++ sends them quantized where
-hpZ's secondary copy does not serve them; here they are not quantized), and with hpZ they come from the secondary
-shards the forward kept, which hold the dequantized values it computed with (unit_state.py, [Note: hpZ's secondary
-shards]). ``gathered`` (state dicts,
+With ``quantize_weights`` every gather of a training or evaluation step is quantized (collectives.py, [Note: the
+quantized all-gather]): the pre-forward hook's and its prefetches, the root unit's at the start of a step (which then
+serves the backward too, as a unit kept from forward to backward by ``reshard_after_forward=False`` does), and the
+backward's (the pre-backward hook's, its prefetches, and so activation checkpointing's recomputation, which runs
+inside them). Quantizing is deterministic and the shards do not change between a unit's forward and its backward, so
+the backward computes with bitwise the weights its forward computed with, as a unit kept gathered would. With hpZ
+the backward's gathers come from the secondary shards the forward kept instead, which hold those same dequantized
+values (unit_state.py, [Note: hpZ's secondary shards]) and cross no node. ``gathered`` (state dicts,
 ``gathered_parameters``, checkpoints) and everything after fit see the exact values: a unit gathered quantized is
 gathered again in full precision there. The optimizer updates the fp32 masters from gradients computed through the
-quantized forward; the masters themselves never hold quantized values.
+quantized weights; the masters themselves never hold quantized values.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class ShardedParams:
             if unit.state is UnitState.BACKWARD or unit in self._done:
                 return
             unit.enter_backward(self._input_grad_calls.pop(unit, 0))
-            self._prefetch_after(unit, self._forward_order[::-1], backward=True)
+            self._prefetch_after(unit, self._forward_order[::-1], quantized=True, backward=True)
 
         return hook
 

@@ -133,8 +133,8 @@ class Unit:
 
     def start_unshard(self, quantized: bool = False, backward: bool = False) -> None:
         """Issue the all-gather of this unit's shards, unless it is already gathered or on its way; ``quantized``:
-        in ``weight_format``, if set (a forward's gather under qwZ); ``backward``: from the secondary shards, if the
-        forward kept them (hpZ)."""
+        in ``weight_format``, if set (a training step's gathers under qwZ); ``backward``: from the secondary shards,
+        if the forward kept them (hpZ, which then serves the gather whatever ``quantized`` says)."""
         if self.state is not UnitState.SHARDED:
             return
         guard = self.announce("gather", self) if self.gather_buckets else None
@@ -249,7 +249,7 @@ class Unit:
         step whose inputs need a gradient)."""
         if self.state is UnitState.BACKWARD:
             return
-        self.wait_unshard(backward=True)
+        self.wait_unshard(quantized=True, backward=True)
         self._expect(UnitState.UNSHARDED)
         self.outstanding = Counter(s for s in self.shards if s.trainable)
         if input_grad_calls:

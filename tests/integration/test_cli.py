@@ -356,15 +356,15 @@ def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
         assert line.endswith(f"{fmt(inside * 4)} {fmt(psi // 2 * 4)}"), (option, line)
     assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "3"]) == 2
     assert "--shard-group-size=3 is invalid for --ranks=4: it must divide the number of ranks" in capfd.readouterr().err
-    # qwZ: zero3's forward gather as int8 codes and an fp32 scale per 4096 elements
+    # qwZ: zero3's gathers (forward and backward) as int8 codes and an fp32 scale per 4096 elements
     assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "2",
                  "--quantize-weights"]) == 0
     rows = {line.split(" (qwZ)")[0]: line.split()[2:4] for line in capfd.readouterr().out.splitlines()
             if " (qwZ) " in line}
-    forward = psi + 4 * -(-psi // 4096)
-    # offload moves the same bytes: every zero3 option's forward gathers are quantized, offloaded or not
+    gather = psi + 4 * -(-psi // 4096)
+    # offload moves the same bytes: every zero3 option's gathers are quantized, offloaded or not
     assert set(rows) == {"zero3", "zero3_offload", "zero3_offload_params", "zero3_offload_disk"}
-    assert all(row == fmt((forward + 2 * psi * 4) // 2).split() for row in rows.values()), rows
+    assert all(row == fmt((2 * gather + psi * 4) // 2).split() for row in rows.values()), rows
     assert main(["estimate", "--params", "1B", "--quantize-weights"]) == 2
     assert "--quantize-weights needs --shard-group-size" in capfd.readouterr().err
 

@@ -24,8 +24,8 @@ def test_cross_node_formulas_at_two_nodes_of_two() -> None:
     # the root once; the reduce-scatter's quarter to the 2 peers across.
     assert configs["zero3"].gloo(s, a) == 0.625 * (2 * 800 + 200) * 4 + 0.5 * 1000 * 4 == 6500
     assert configs["zero1"].gloo(s, a) == configs["zero2"].gloo(s, a) == 1000 * 4 * (0.5 + 0.625)
-    # qwZ: the forward gather at 1 + 4/4096 bytes an element, the backward's at b.
-    assert configs["zero3_qwz"].gloo(s, a) == 0.625 * (1000 * (1 + 4 / 4096) + 800 * 4) + 2000
+    # qwZ: both gathers at 1 + 4/4096 bytes an element.
+    assert configs["zero3_qwz"].gloo(s, a) == 0.625 * (2 * 800 + 200) * (1 + 4 / 4096) + 2000
     # hpZ: the backward gather stays in the node; qgZ: the reduce-scatter becomes one int4 payload of a quarter to the
     # other node; all three: the forward's int8 gather and qgZ's payload only.
     assert configs["zero3_hpz"].gloo(s, a) == 0.625 * 1000 * 4 + 0.5 * 1000 * 4 == 4500
