@@ -8,7 +8,7 @@ collective: collectives.py does, and makes these.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,28 +62,53 @@ class NonFiniteWeightsError(RuntimeError):
     """A shard handed to a quantized all-gather held an inf or a NaN (see [Note: the quantized all-gather])."""
 
 
+class WeightCheck:
+    """The non-finite flags of a step's quantized all-gathers, each a device tensor per parameter of a bucket, read
+    together once, at the end of the step (``raise_if_nonfinite``): reading each gather's flags where it completes
+    would make the host wait for every gather on CUDA (see [Note: the quantized all-gather])."""
+
+    def __init__(self) -> None:
+        self._flags: list[Tensor] = []
+        self._names: list[str] = []
+
+    def record(self, flags: Tensor, names: Sequence[str]) -> None:
+        self._flags.append(flags)
+        self._names.extend(names)
+
+    def raise_if_nonfinite(self) -> None:
+        """Raise ``NonFiniteWeightsError`` naming the first parameter whose gathered blocks held an inf or a NaN since
+        the last call (one host synchronisation; none when nothing was gathered quantized)."""
+        if not self._flags:
+            return
+        flags, names = torch.cat(self._flags), self._names
+        self._flags, self._names = [], []
+        if bool(flags.any()):
+            raise NonFiniteWeightsError(
+                f"quantize_weights=True: the shards of {names[flags.tolist().index(True)]} hold an inf or a NaN, which "
+                "int8 blocks cannot carry; every rank stops here. Find where the weights became non-finite "
+                "(nonfinite_grads='raise' stops at the gradient that would make them so), or train without "
+                "quantize_weights"
+            )
+
+
 @dataclass(eq=False, kw_only=True)
 class QuantizedGathered(Gathered):
     """A quantized all-gather in flight: ``payloads`` ``(n, nbytes)`` receives every rank's payload, made of one
-    piece per parameter of ``bucket`` (``pieces``); ``wait()`` dequantizes them into ``buffer`` and gives it, or
-    raises ``NonFiniteWeightsError`` where a block of any rank held an inf or a NaN (its scale is NaN)."""
+    piece per parameter of ``bucket`` (``pieces``); ``wait()`` dequantizes them into ``buffer`` and gives it, and
+    records in ``check`` which parameters had a block of any rank with an inf or a NaN (its scale is NaN, and so
+    is every element of the block once dequantized)."""
 
     payloads: Tensor
     bucket: Bucket
     pieces: list[PayloadPiece]
+    check: WeightCheck
 
     def wait(self) -> Tensor:
         self._complete()
         n = self.payloads.shape[0]
         received = [piece.of(self.payloads) for piece in self.pieces]
         nonfinite = torch.stack([piece.layout.scales(p).isnan().any() for piece, p in zip(self.pieces, received)])
-        if bool(nonfinite.any()):
-            name = self.bucket.shards[nonfinite.tolist().index(True)].name
-            raise NonFiniteWeightsError(
-                f"quantize_weights=True: the shards of {name} hold an inf or a NaN, which int8 blocks cannot carry; "
-                "every rank stops here. Find where the weights became non-finite (nonfinite_grads='raise' stops at "
-                "the gradient that would make them so), or train without quantize_weights"
-            )
+        self.check.record(nonfinite, [shard.name for shard in self.bucket.shards])
         table = self.buffer.view(n, -1)
         for piece, payload in zip(self.pieces, received):
             values = table[:, piece.start : piece.start + piece.layout.numel]

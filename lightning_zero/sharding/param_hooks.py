@@ -326,7 +326,8 @@ class ShardedParams:
         return nullcontext()
 
     def end_step(self) -> None:
-        """After the step's last backward, or an evaluation step: free every unit, the root included."""
+        """After the step's last backward, or an evaluation step: free every unit, the root included; under qwZ,
+        raise if a gather of the step held an inf or a NaN (collectives.py, [Note: the quantized all-gather])."""
         if self._forward_order:
             self._last_order, self._forward_order = self._forward_order, []
         self._input_grad_calls.clear()
@@ -335,6 +336,7 @@ class ShardedParams:
         if not self._holding:
             for unit in self.all_units:
                 unit.reshard()
+        self.comms.weight_check.raise_if_nonfinite()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:

@@ -159,7 +159,7 @@ def _edges(nan_at: tuple[int, int] | None = None) -> dict:
     try:
         trainer.fit(model)
     except RuntimeError as err:
-        return {"error": f"{type(err).__name__}: {err}"}
+        return {"error": f"{type(err).__name__}: {err}", "steps": trainer.global_step}
     return {"initial": initial, "seen": model.seen}
 
 
@@ -304,10 +304,13 @@ def test_forward_weights_are_each_segment_quantized_and_dequantized(ranks) -> No
 
 
 def test_a_nan_weight_stops_every_rank_with_one_error(ranks) -> None:
+    """Raised at the end of the first step, after its backward and before its update (one host synchronisation a
+    step, not one a gather)."""
     for out in ranks:
         assert out["nan"]["error"].startswith(
             "NonFiniteWeightsError: quantize_weights=True: the shards of odd.weight hold an inf or a NaN"
         )
+        assert out["nan"]["steps"] == 0
 
 
 def test_quantize_weights_is_refused_where_it_cannot_work() -> None:
