@@ -57,7 +57,7 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one host (default: --ranks)")
     parser.add_argument("--no-offload", action="store_true", help="consider only the options without offload")
     parser.add_argument(
-        "--quantize-weights", action="store_true", help="with --shard-group-size: zero3's all-gathers as int8 blocks "
+        "--quantize-weights", action="store_true", help="zero3's all-gathers as int8 blocks "
         "(ZeroStrategy(quantize_weights=True), ZeRO++'s qwZ)"
     )
     parser.add_argument(
@@ -99,8 +99,6 @@ def estimate_command(args: argparse.Namespace) -> int:
     ranks = args.ranks if args.ranks is not None else _default_ranks()
     peak = _measured_step(args) if args.measure else None
     world, group = ranks, args.shard_group_size
-    if args.quantize_weights and group is None:
-        raise UsageError("--quantize-weights needs --shard-group-size (give the number of ranks for flat sharding)")
     if args.quantize_grads is not None and group is not None:
         raise UsageError("--quantize-grads with --shard-group-size: hybrid sharding refuses quantize_grads; give the "
                          "node layout with --ranks-per-node")
@@ -139,6 +137,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         print("\n" + format_hybrid(total, trainable, world, group, args.precision, options, args.quantize_weights))
     if hpz is not None:
         print("\n" + format_hpz(total, ranks, hpz, args.precision))
+    if args.quantize_weights and group is None:
+        print("\n" + format_qwz(total, trainable, ranks, args.precision, hpz))
     if args.quantize_grads is not None:
         print("\n" + format_qgz(trainable, ranks, args.ranks_per_node or ranks, args.precision, args.quantize_grads))
     if peaks is not None:
@@ -213,6 +213,18 @@ def format_hpz(total: int, ranks: int, hpz: int, precision: str) -> str:
             f"backward all-gather moves "
             f"{fmt(inside)} per rank and step inside groups of {hpz} ranks (none across them) instead "
             f"of {fmt(instead)} over the {ranks} ranks that shard the model")
+
+
+def format_qwz(total: int, trainable: int, ranks: int, precision: str, hpz: int | None) -> str:
+    """qwZ under flat zero3: the bytes one rank moves per step with its all-gathers as int8 blocks, against the same
+    run's in the working dtype (ring-equivalent, ``estimate.communication_bytes``; with hpZ the backward's gathers
+    come from the secondary shards, unquantized)."""
+    element, fmt = estimate.working_bytes(precision), estimate.format_bytes
+    full, quantized = (estimate.communication_bytes("zero3", total, ranks, element, trainable, qwz, hpz)
+                       for qwz in (False, True))
+    gathers = "the forward's all-gathers" if hpz is not None else "every all-gather"
+    return (f"qwZ (quantize_weights, zero3): with {gathers} as int8 blocks a rank moves {fmt(quantized)} per step "
+            f"instead of {fmt(full)} ({precision}, {ranks} ranks)")
 
 
 def format_qgz(trainable: int, ranks: int, node_size: int, precision: str, quantize_grads: str) -> str:

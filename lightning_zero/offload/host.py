@@ -29,7 +29,7 @@ ZeRO++'s three options (stage 3's qwZ and hpZ, qgZ under every stage) change wha
 training device, never where the masters and optimizer states live or what the host step reads and writes, so they
 compose with every offload as they are:
 
-* qwZ: a unit's forward gather packs this rank's rows into its segment of the device buffer first, as unquantized:
+* qwZ: a unit's gather packs this rank's rows into its segment of the device buffer first, as unquantized:
   with ``offload_params`` that pack is the copy from the host rows (or from disk offload's unit buffer, ``staged``),
   guarded by the same ticket; the int8 payload is quantized from that device segment into a device table, which is
   all-gathered. Every tensor handed to the collective is on the device, and nothing else reads the host rows.

@@ -397,7 +397,7 @@ class Collectives:
     def _all_gather_quantized(
         self, bucket: Bucket, buffer: Tensor, guard: Callable[[], None] | None, fmt: BlockFormat
     ) -> QuantizedGathered:
-        """[Note: the quantized all-gather] ZeRO++'s qwZ (stage 3's forward gathers, ``quantize_weights``): this
+        """[Note: the quantized all-gather] ZeRO++'s qwZ (stage 3's gathers in a step, ``quantize_weights``): this
         rank's segment is quantized (``quantize.py``: int8 codes, an fp32 scale per block) parameter by parameter,
         blocks restarting at each parameter's (padded) chunk ``S_p``, into its row of a ``(n, P)`` uint8 table, ``P =
         sum_p layout(S_p).nbytes``; the rows are all-gathered as bytes, and every rank dequantizes every row, its own

@@ -365,8 +365,17 @@ def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
     # offload moves the same bytes: every zero3 option's gathers are quantized, offloaded or not
     assert set(rows) == {"zero3", "zero3_offload", "zero3_offload_params", "zero3_offload_disk"}
     assert all(row == fmt((2 * gather + psi * 4) // 2).split() for row in rows.values()), rows
-    assert main(["estimate", "--params", "1B", "--quantize-weights"]) == 2
-    assert "--quantize-weights needs --shard-group-size" in capfd.readouterr().err
+    # flat: one line for the whole run's bytes, with and without qwZ (with hpZ, the forward's gathers quantized only)
+    for hpz, gathers in (([], 2), (["--hpz-group-size", "2"], 1)):
+        assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--quantize-weights", *hpz]) == 0
+        line = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("qwZ"))
+        backward = psi * 4 // 2 if hpz else 0  # hpZ's gather inside pairs, unquantized
+        reduce = psi * 4  # the reduce-scatter over the 4 ranks, in full precision
+        quantized, full = ((reduce + gathers * g) * 3 // 4 + backward for g in (gather, psi * 4))
+        which = "every all-gather" if not hpz else "the forward's all-gathers"
+        assert line == (f"qwZ (quantize_weights, zero3): with {which} as int8 blocks a rank moves "
+                        f"{estimate.format_bytes(quantized)} per step instead of {estimate.format_bytes(full)} "
+                        "(32-true, 4 ranks)"), line
 
 
 def test_estimate_with_hpz_gives_the_secondary_shards_bytes(capfd):
