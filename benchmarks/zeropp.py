@@ -491,21 +491,33 @@ def render_curves(part: dict, png_rel: str | None) -> list[str]:
              f"mean loss of the last {part['tail']} steps.", ""]
     if png_rel:
         lines += [f"![loss curves, unquantized (two seeds) and quantized]({png_rel})", ""]
+    spread, rows = verdicts(part)
+    lines += ["| run | seed | last-50 mean loss | vs unquantized (same seed) | within | within 2 x seed spread "
+              f"({2 * spread:.4f}) |", "|---|--:|--:|--:|--:|--:|"]
+    for row in rows:
+        tol = row["tolerance"]
+        lines.append(f"| {row['label']} | {row['seed']} | {row['tail']:.4f} | {100 * row['relative']:+.2f}% | "
+                     + (f"{100 * tol:.0f}%: {'yes' if row['within_bar'] else 'NO'}" if tol else "-") + " | "
+                     + (f"{'yes' if row['within_spread'] else 'NO'}" if tol else "-") + " |")
+    return lines
+
+
+def verdicts(part: dict) -> tuple[float, list[dict]]:
+    """The curves' criterion: the spread of the unquantized runs' tails (last-``tail`` means) over their seeds, and
+    per run its tail, its offset relative to the unquantized run of its seed, and whether that is within its
+    tolerance and within twice the spread (unquantized runs: against the first seed's, no verdict)."""
     runs = part["runs"]
     plain = {run["seed"]: _tail(run, part["tail"]) for run in runs if run.get("tolerance") is None}
     spread = max(plain.values()) - min(plain.values())
-    lines += ["| run | seed | last-50 mean loss | vs unquantized (same seed) | within | within 2 x seed spread "
-              f"({2 * spread:.4f}) |", "|---|--:|--:|--:|--:|--:|"]
-    first = min(plain)
+    first, rows = min(plain), []
     for run in runs:
-        m = _tail(run, part["tail"])
-        tol = run.get("tolerance")
-        m_ref = plain.get(run["seed"], plain[first]) if tol else plain[first]
-        rel = (m - m_ref) / m_ref
-        lines.append(f"| {run['label']} | {run['seed']} | {m:.4f} | {100 * rel:+.2f}% | "
-                     + (f"{100 * tol:.0f}%: {'yes' if abs(rel) <= tol else 'NO'}" if tol else "-") + " | "
-                     + (f"{'yes' if abs(m - m_ref) <= 2 * spread else 'NO'}" if tol else "-") + " |")
-    return lines
+        tail, tol = _tail(run, part["tail"]), run.get("tolerance")
+        reference = plain.get(run["seed"], plain[first]) if tol else plain[first]
+        rows.append(dict(label=run["label"], name=run["name"], seed=run["seed"], tail=tail, tolerance=tol,
+                         relative=(tail - reference) / reference,
+                         within_bar=tol is not None and abs(tail - reference) <= tol * reference,
+                         within_spread=tol is not None and abs(tail - reference) <= 2 * spread))
+    return spread, rows
 
 
 def _tail(run: dict, tail: int) -> float:

@@ -40,7 +40,7 @@ def test_cross_node_formulas_at_two_nodes_of_two() -> None:
 
 def test_curve_table_checks_the_tolerance_and_twice_the_seed_spread() -> None:
     def run(label, seed, tail_loss, tolerance=None):
-        return dict(label=label, seed=seed, tolerance=tolerance, losses=[9.0] * 10 + [tail_loss] * 4)
+        return dict(name=label, label=label, seed=seed, tolerance=tolerance, losses=[9.0] * 10 + [tail_loss] * 4)
 
     part = dict(started="now", command="c", model=zeropp.MODEL, steps=14, tail=4, runs=[
         run("plain", 1, 2.00), run("plain", 2, 2.01), run("close", 1, 2.015, 0.01), run("far", 1, 2.03, 0.02)])
