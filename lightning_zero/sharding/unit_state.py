@@ -133,7 +133,7 @@ class Unit:
 
     def start_unshard(self, quantized: bool = False, backward: bool = False) -> None:
         """Issue the all-gather of this unit's shards, unless it is already gathered or on its way; ``quantized``:
-        in ``weight_format``, if set (a training step's gathers under qwZ); ``backward``: from the secondary shards,
+        in ``weight_format``, if set (a step's gathers under qwZ); ``backward``: from the secondary shards,
         if the forward kept them (hpZ, which then serves the gather whatever ``quantized`` says)."""
         if self.state is not UnitState.SHARDED:
             return
