@@ -332,8 +332,9 @@ def _long(rank: int, world_size: int) -> dict:
 @pytest.mark.slow
 def test_over_300_steps_within_one_percent_and_the_spread_of_two_seeds() -> None:
     """Issue 28's bar for qwZ: the mean loss of the last 50 of 300 steps within 1% of the unquantized run's and within
-    twice the spread of two seeds of it. Measured: +0.11% (seed 3) and +0.23% (seed 4), the seeds 0.092 apart (about
-    11%: this GPT is small and its loss near 0.85)."""
+    twice the spread of two seeds of it, the seeds 0.092 apart (about 11%: this GPT is small and its loss near 0.85).
+    Measured +0.11% (seed 3) and +0.23% (seed 4) when only the forward's gathers were quantized; passes with the
+    backward's quantized too. The small GPT's curves (tests/integration/test_zeropp.py) are the issue's figures."""
     losses = run_on_ranks(_long, WORLD, timeout_s=1200)[0]
     tail = {key: sum(values[-50:]) / 50 for key, values in losses.items()}
     spread = abs(tail[(3, False)] - tail[(4, False)])
