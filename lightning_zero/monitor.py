@@ -14,7 +14,7 @@ communication is the option's collectives inside the group of ``K`` plus the all
 the ``R = N / K`` replicas (``estimate.hybrid_communication_bytes``); the latter, ``2 Ψ_t b (R-1) / (K R)``, is what
 crosses between groups, set against ``comm_stats.cross_group_bytes`` (equal when each group is one node). DDP's
 column stays DDP's: every rank holds everything, whatever the topology. ZeRO++'s options change the modelled
-bytes as ``estimate.communication_bytes`` counts them (qwZ's int8 forward gathers, hpZ's backward gathers inside
+bytes as ``estimate.communication_bytes`` counts them (qwZ's int8 gathers, hpZ's backward gathers inside
 groups of ``hpz_group_size``, qgZ's two-stage exchange over the strategy's nodes). A flat run's bytes to other nodes
 are measured and reported, not modelled: how much of a ring or tree crosses depends on where the nodes cut it.
 
