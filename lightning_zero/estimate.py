@@ -82,7 +82,7 @@ from dataclasses import dataclass, replace
 
 from lightning_zero import config
 from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT
-from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE, BlockFormat
+from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE, INTRA_NODE_BITS, BlockFormat
 from lightning_zero.step_measure import StepMeasure
 
 
@@ -626,7 +626,7 @@ def quantized_reduce_bytes(trainable_params: int, ranks: int, node_size: int, bi
         raise EstimateError(f"bits={bits} is invalid: qgZ quantizes to 4 or 8 bits")
     segment = -(-trainable // ranks)
     nodes = ranks // node_size
-    inside, across = BlockFormat(bits=8).layout(segment).nbytes, BlockFormat(bits=bits).layout(segment).nbytes
+    inside, across = (BlockFormat(bits=b).layout(segment).nbytes for b in (INTRA_NODE_BITS, bits))
     return (node_size - 1) * nodes * inside, (nodes - 1) * across
 
 

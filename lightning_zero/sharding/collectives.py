@@ -82,7 +82,7 @@ from lightning_zero.sharding.in_flight import (
     WeightCheck,
     payload_pieces,
 )
-from lightning_zero.sharding.quantize import BlockFormat, TwoStageReduce, quantize
+from lightning_zero.sharding.quantize import INTRA_NODE_BITS, BlockFormat, TwoStageReduce, quantize
 from lightning_zero.sharding.topology import Links, Topology
 
 
@@ -307,7 +307,7 @@ class Collectives:
                 f"quantize_grads sends its payloads point to point, which the {self.device_backend} backend does for "
                 f"host tensors only, but the gradients are on {self.device}: use nccl for them, or drop quantize_grads"
             )
-        intra = BlockFormat(bits=8, block_size=fmt.block_size)
+        intra = BlockFormat(bits=INTRA_NODE_BITS, block_size=fmt.block_size)
         return TwoStageReduce(n // node, node, sum(parts), intra=intra, inter=fmt, parts=tuple(parts))
 
     def _reduce_scatter_quantized(

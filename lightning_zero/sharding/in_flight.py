@@ -8,7 +8,7 @@ collective: collectives.py does, and makes these.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,21 +68,21 @@ class WeightCheck:
     would make the host wait for every gather on CUDA (see [Note: the quantized all-gather])."""
 
     def __init__(self) -> None:
-        self._flags: list[Tensor] = []
-        self._names: list[str] = []
+        self._checked: list[tuple[Tensor, Bucket]] = []
 
-    def record(self, flags: Tensor, names: Sequence[str]) -> None:
-        self._flags.append(flags)
-        self._names.extend(names)
+    def record(self, flags: Tensor, bucket: Bucket) -> None:
+        """``flags``: one per parameter of ``bucket``, in its order."""
+        self._checked.append((flags, bucket))
 
     def raise_if_nonfinite(self) -> None:
         """Raise ``NonFiniteWeightsError`` naming the first parameter whose gathered blocks held an inf or a NaN since
         the last call (one host synchronisation; none when nothing was gathered quantized)."""
-        if not self._flags:
+        if not self._checked:
             return
-        flags, names = torch.cat(self._flags), self._names
-        self._flags, self._names = [], []
+        checked, self._checked = self._checked, []
+        flags = torch.cat([flags for flags, _ in checked])
         if bool(flags.any()):
+            names = [shard.name for _, bucket in checked for shard in bucket.shards]
             raise NonFiniteWeightsError(
                 f"quantize_weights=True: the shards of {names[flags.tolist().index(True)]} hold an inf or a NaN, which "
                 "int8 blocks cannot carry; every rank stops here. Find where the weights became non-finite "
@@ -108,7 +108,7 @@ class QuantizedGathered(Gathered):
         n = self.payloads.shape[0]
         received = [piece.of(self.payloads) for piece in self.pieces]
         nonfinite = torch.stack([piece.layout.scales(p).isnan().any() for piece, p in zip(self.pieces, received)])
-        self.check.record(nonfinite, [shard.name for shard in self.bucket.shards])
+        self.check.record(nonfinite, self.bucket)
         table = self.buffer.view(n, -1)
         for piece, payload in zip(self.pieces, received):
             values = table[:, piece.start : piece.start + piece.layout.numel]

@@ -126,6 +126,9 @@ from torch import Tensor
 
 #: Elements per block (see [Note: the block-quantized payload] for the choice).
 DEFAULT_BLOCK_SIZE = 4096
+#: The bits qgZ's first stage sends inside the node, whatever ``quantize_grads`` asks for across nodes
+#: (collectives.py, [Note: qgZ's two formats]).
+INTRA_NODE_BITS = 8
 
 _QMAX = {8: 127, 4: 7}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
