@@ -26,6 +26,9 @@ PRECISIONS: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torc
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+#: ``optimizer_sharding=`` values (sharding/ownership.py).
+OPTIMIZER_SHARDINGS = ("auto", "rows", "params")
+
 #: ``quantize_grads=`` values and the bits of the codes each sends (qgZ).
 GRAD_QUANTIZATIONS: dict[str, int] = {"int4": 4, "int8": 8}
 
@@ -301,11 +304,17 @@ class ZeroConfig:
             spreading through the averaged gradients alike on every rank; ``"skip"`` skips the step on every rank and
             warns, ``"raise"`` raises on every rank, both naming the ranks, at the cost of one tiny all-reduce and a
             host synchronisation per step.
+        optimizer_sharding: how each optimizer's state and step are split: ``"rows"``, this rank's rows of every
+            parameter (right for element-wise updates: Adam, SGD, ...); ``"params"``, whole parameters owned by one
+            rank each (right for any optimizer that steps a parameter from its own gradient and state: Muon,
+            Adafactor, LARS, LAMB); ``"auto"`` (default) picks rows for torch's element-wise classes and params for
+            every other (sharding/ownership.py).
     """
 
     stage: int = 2
     activation_checkpointing_policy: tuple[Any, ...] = ()
     nonfinite_grads: str = "ignore"
+    optimizer_sharding: str = "auto"
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -315,6 +324,11 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in SUPPORTED_STAGES:
             raise ZeroConfigError(f"stage={self.stage!r} is invalid: allowed values are 1, 2 or 3")
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            allowed = ", ".join(repr(p) for p in OPTIMIZER_SHARDINGS)
+            raise ZeroConfigError(
+                f"optimizer_sharding={self.optimizer_sharding!r} is invalid: allowed values are {allowed}"
+            )
         if self.nonfinite_grads not in NONFINITE_POLICIES:
             allowed = ", ".join(repr(p) for p in NONFINITE_POLICIES)
             raise ZeroConfigError(f"nonfinite_grads={self.nonfinite_grads!r} is invalid: allowed values are {allowed}")

@@ -56,8 +56,9 @@ def refuse_accelerator(accelerator: Any) -> None:
 
 
 def refuse_unsupported(trainer: pl.Trainer, model: nn.Module, config: ZeroConfig) -> None:
-    """Raise before anything is sharded if the Trainer or the model uses a feature zero3 cannot support (see
+    """Raise before anything is sharded if the Trainer or the model uses a feature this stage cannot support (see
     [Note: what is refused under zero3, and why])."""
+    refuse_sparse_gradients(model)
     if config.stage != 3:
         return
     for callback in trainer.callbacks:
@@ -75,6 +76,31 @@ def refuse_unsupported(trainer: pl.Trainer, model: nn.Module, config: ZeroConfig
             f"torch.compile of {compiled[0]!r} cannot run under zero3, which swaps parameter storage around every "
             "unit's forward and backward. Use strategy='zero2' or 'zero1' with torch.compile, or zero3 uncompiled."
         )
+
+
+def refuse_sparse_gradients(model: nn.Module) -> None:
+    """``nn.Embedding(sparse=True)`` (and ``EmbeddingBag``) produce sparse gradients, which ZeRO cannot
+    reduce-scatter into dense row shards; DDP all-reduces them as they are."""
+    sparse = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        name, module = sparse[0]
+        raise ZeroUnsupportedError(
+            f"{name!r} is an {type(module).__name__}(sparse=True), whose sparse gradients ZeRO cannot shard: build it "
+            "with sparse=False (dense gradients, which every optimizer but SparseAdam takes, with the same results), "
+            "or use strategy='ddp'"
+        )
+
+
+def mark_sharded_for_transformers(model: nn.Module) -> None:
+    """Under zero3 on several ranks, every rank must run every layer of a forward, also in Hugging Face's
+    ``generate()`` when its sequences end at different lengths (``synced_gpus=True``). transformers turns that on by
+    itself for a model sharded by DeepSpeed ZeRO-3 or FSDP, which it recognizes by the attribute FSDP2 sets on the
+    modules it shards; its modules get it here, so that ``generate()`` needs no argument (RankDivergenceError names
+    ``synced_gpus=True`` where it is missed)."""
+    for module in model.modules():
+        if type(module).__module__.startswith("transformers."):
+            module._is_fsdp_managed_module = True
 
 
 def _is_compiled(module: nn.Module) -> bool:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.sharding.sharded_grad import held_rows
 from lightning_zero.sharding.sharded_param import is_sharded
 
 
@@ -72,7 +73,7 @@ def model_state_bytes(
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     # a stage-3 parameter between its uses holds a one-element placeholder, not model state
     params = [p for p in module.parameters() if not is_sharded(p)] + list(extra_params)
-    grads = [p.grad for p in module.parameters() if p.grad is not None] + list(extra_grads)
+    grads = [held_rows(p.grad) for p in module.parameters() if p.grad is not None] + list(extra_grads)
     states = list(extra_optimizer) + [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
     seen: set[tuple[torch.device, int]] = set()
     optimizer = _storage_bytes(states, seen)  # first: a stage-3 parameter between uses holds its fp32 master

@@ -74,9 +74,16 @@ class ZeroPrecision(Precision):
         clip, self._clip = self._clip, None
         return clip
 
-    def closure_with_hooks(self, model: pl.LightningModule, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
-        """Lightning's closure followed by its ``on_before_optimizer_step`` hooks and clipping request."""
-        return self._wrap_closure(model, optimizer, closure)
+    def closure_with_hooks(self, model: pl.LightningModule, optimizer: Optimizer, closure: Callable[[], Any],
+                           before_hooks: Callable[[], None] | None = None) -> Any:
+        """Lightning's closure followed by its ``on_before_optimizer_step`` hooks and clipping request;
+        ``before_hooks`` runs between them unless the closure skipped the backward (Lightning's AMP plugin unscales
+        the gradients there)."""
+        result = closure()
+        if before_hooks is not None and not (result is None and model.automatic_optimization):
+            before_hooks()
+        self._after_closure(model, optimizer)
+        return result
 
 
 class ZeroMixedPrecision(ZeroPrecision, MixedPrecision):

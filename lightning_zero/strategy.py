@@ -33,7 +33,12 @@ from typing_extensions import override
 from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, check_launch_settings, option_defaults
 from lightning_zero.host_math import settle_mkl_dispatch
-from lightning_zero.lightning_compat import apply_activation_checkpointing, refuse_accelerator, refuse_unsupported
+from lightning_zero.lightning_compat import (
+    apply_activation_checkpointing,
+    mark_sharded_for_transformers,
+    refuse_accelerator,
+    refuse_unsupported,
+)
 from lightning_zero.memory import (
     ModelStateBytes,
     give_back_freed_memory,
@@ -44,7 +49,13 @@ from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
 from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
-from lightning_zero.sharding.materialize import generator_state, has_meta_tensors, materialize_shards, rng_state
+from lightning_zero.sharding.materialize import (
+    LoadsOnMeta,
+    generator_state,
+    has_meta_tensors,
+    materialize_shards,
+    rng_state,
+)
 from lightning_zero.sharding.overlap import install_gate
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
 from lightning_zero.sharding.topology import Topology
@@ -114,6 +125,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         self._comm_stats = CommStats()
         self._comms: tuple[Any, Collectives] | None = None
         self._init_rng_state: Tensor | int | None = None
+        #: ``load_state_dict`` on a model built under ``Trainer.init_module()`` (stage 3: on the meta device).
+        self._meta_loads = LoadsOnMeta()
         self._failed = False
         self._watchdog: Watchdog | None = None
 
@@ -192,6 +205,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
                 raise ValueError("SyncBatchNorm layers only work with GPU modules")  # as DistributedDataParallel
             self.model = self._layer_sync.apply(self.model)
         apply_activation_checkpointing(self.model, self.config.activation_checkpointing_policy)
+        if self.config.stage == 3 and self.world_size > 1:
+            mark_sharded_for_transformers(self.model)
         comms = self._collectives()
         materialized = None
         if self.config.stage == 3 and has_meta_tensors(self.model):
@@ -199,7 +214,9 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
             recorded = self._init_rng_state if self._init_rng_state is not None else rng_state(self.root_device)
             state = generator_state(self.root_device, recorded).clone().to(comms.device)
             comms.world.broadcast_([state], "the random generator state for meta-device init")
-            materialized = materialize_shards(self.model, self.root_device, state.cpu(), comms.rank, comms.world_size)
+            materialized = materialize_shards(self.model, self.root_device, state.cpu(), comms.rank, comms.world_size,
+                                              self._meta_loads.values)
+            self._meta_loads.release()
         self.model_to_device()
         sync_module_states(self.model, comms.world)
         previous = self._runtime
@@ -258,7 +275,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
                 yield
             return
         self._init_rng_state = rng_state(self.root_device)
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with torch.device("meta"), self.precision_plugin.tensor_init_context(), self._meta_loads.watching():
             yield
 
     @contextmanager
@@ -270,6 +287,15 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         back into its shards. Stages 1 and 2 always hold full parameters.
         """
         with self.runtime.gathered():
+            yield
+
+    @contextmanager
+    def gathered_gradients(self) -> Generator[None, None, None]:
+        """Plain full gradients in ``p.grad`` for user code that needs every value (histograms, export), where
+        ``p.grad`` is otherwise a ``ShardedGrad`` (see [Note: a sharded gradient answers as the full one]). Every
+        rank must enter it; edits made inside are kept. Costs one all-gather of the gradients and their full size
+        in memory while inside."""
+        with self.runtime.gathered_gradients():
             yield
 
     def check_replicas(self) -> int:
@@ -294,7 +320,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.runtime.begin_step(training=True)
+        self.runtime.begin_step(training=True, fitting=True)
         with self.runtime.reading_guard():  # stage 1/2: parameters still being gathered complete on first read
             return super().training_step(*args, **kwargs)
 
@@ -319,7 +345,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         return self._evaluation_step(super().predict_step, *args, **kwargs)
 
     def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self.runtime.begin_step(training=False)
+        trainer = self.lightning_module.trainer
+        self.runtime.begin_step(training=False, fitting=trainer.state.fn == TrainerFn.FITTING)
         try:
             return step(*args, **kwargs)
         finally:
@@ -359,6 +386,18 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
             yield
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward, with the reductions completed before ``on_after_backward`` (which the precision
+        plugin's ``post_backward`` calls) rather than after it: user code there sees the averaged gradients, as
+        under DDP (see [Note: what user code sees of a parameter and its gradient])."""
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        self.post_backward(closure_loss)
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         self.runtime.pre_backward()
 
@@ -383,7 +422,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         plugin = self.precision_plugin
 
         def closure_with_hooks() -> Any:
-            return plugin.closure_with_hooks(model, optimizer, closure)
+            unscale = partial(self.runtime.unscale_for_hooks, inner, plugin.scaler)
+            return plugin.closure_with_hooks(model, optimizer, closure, before_hooks=unscale)
 
         # Gathers may stay in flight into the next forward unless user code runs right after the step: manual
         # optimization, or an overridden ``LightningModule.optimizer_step`` (see sharding/overlap.py).

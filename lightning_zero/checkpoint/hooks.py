@@ -38,6 +38,7 @@ class ShardedCheckpointHooks:
 
     _device_mesh: Any = None
     _loaded_directory: bool = False
+    _optimizer_classes: list[str] | None = None
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -118,19 +119,24 @@ class ShardedCheckpointHooks:
         info = format_info(checkpoint)
         if info is not None:
             verify_rows(Path(checkpoint_path), checkpoint, runtime.comms, optimizer_states=bool(optimizers))
-        strict = self.lightning_module is None or self.lightning_module.strict_loading
-        check_model(checkpoint["state_dict"], self._state_dict_shapes(), strict)
-        if optimizers and checkpoint.get("optimizer_states") is not None:
-            classes = info.get("optimizer_classes") if info is not None else None
-            check_optimizer_states(checkpoint["optimizer_states"], optimizers, classes)
+        #: Checked against the model when it is loaded into it, after ``on_load_checkpoint`` (where user code may
+        #: migrate the checkpoint: rename keys, drop a head), as DDP's load sees it.
+        self._optimizer_classes = info.get("optimizer_classes") if info is not None else None
         checkpoint.pop(FORMAT_KEY, None)
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Check the checkpoint (as ``on_load_checkpoint`` left it) against the model and, when fitting, the
+        optimizers, on every rank before anything is loaded; then copy each rank's rows into its shards."""
         if not self._holds_shards():
             return super().load_model_state_dict(checkpoint, strict=strict)
         if self._loaded_directory:
             return
+        check_model(checkpoint["state_dict"], self._state_dict_shapes(), strict)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and checkpoint.get("optimizer_states"):
+            optimizers = [self.runtime.sharded(_unwrap(o)) for o in self.optimizers]
+            check_optimizer_states(checkpoint["optimizer_states"], optimizers, self._optimizer_classes)
         self.runtime.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -60,7 +60,7 @@ def model_tensors(module: nn.Module, shards: list[ParamShard], mesh: DeviceMesh)
 def optimizer_tensors(sharded: ShardedOptimizer, mesh: DeviceMesh) -> dict[str, Any]:
     """The optimizer's ``state_dict()`` as DDP's holds it (keyed by position), each per-element entry (moments,
     momentum buffers) as this rank's rows in a ``Shard(0)`` DTensor of the parameter's shape."""
-    state_dict = sharded.optimizer.state_dict()
+    state_dict = sharded.state_dict()
     shards = sharded.shards
     state = {}
     for index, entry in state_dict["state"].items():
@@ -414,7 +414,7 @@ def check_optimizer_states(
         for position, entry in state["state"].items():
             shape = shards[int(position)].spec.shape
             for key, value in entry.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape != shape:
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != shape and sharded.cuts_rows:
                     raise CheckpointError(
                         f"optimizer {i}: state {key!r} of parameter {shards[int(position)].name!r} has shape "
                         f"{tuple(value.shape)} in the checkpoint, the parameter {tuple(shape)}"

@@ -187,8 +187,9 @@ class DiskOffload(HostOffload):
             for key, value in self._optimizer.state.get(shard.param, {}).items():
                 if self.store.holds(value):
                     entries.append(("state", shard, key, value))
-            if self.store.holds(shard.param.grad):
-                entries.append(("grad", shard, None, shard.param.grad))
+            grad = shard.grad_rows()
+            if self.store.holds(grad):
+                entries.append(("grad", shard, None, grad))
             if self.params_on_disk:
                 entries.append(("rows", shard, None, shard.working))
         return entries

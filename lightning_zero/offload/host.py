@@ -152,6 +152,8 @@ class HostOffload:
         pushed = []
         for index, group in enumerate(groups):
             with self.resident(index):
+                for shard in group:  # edits of the parameters since the last push, into the masters now at hand
+                    shard.adopt_edits()
                 arrivals[index].wait()
                 grads = [self._host_grad(s) for s in group]
                 if factor != 1.0:
@@ -193,14 +195,19 @@ class HostOffload:
         """Start copying ``group``'s gradient shards to the host (step 1; without CUDA, nothing to copy)."""
         if not self._grad_rows:
             return Ticket.DONE
-        return self.transfers.copy([(self._grad_rows[s], s.param.grad.view(s.spec.local_shape)) for s in group])
+        return self.transfers.copy([(self._grad_rows[s], s.grad_rows()) for s in group if self._staged_grad(s)])
+
+    def _staged_grad(self, shard: ParamShard) -> bool:
+        """Whether ``shard``'s gradient goes through the host arena: not when it is unscaled fp32 already (fp16
+        loss scaling hands user hooks fp32 gradients; the arena holds the reduction's 16-bit ones)."""
+        return shard.grad_rows().dtype == self._grad_rows[shard].dtype
 
     def _host_grad(self, shard: ParamShard) -> Tensor:
         """``shard``'s gradient in fp32 on the host, for the optimizer to consume (and the clip to scale in place):
         from its arena rows on CUDA; without CUDA a copy made from the gradient itself, one group at a time."""
-        if self._grad_rows:
+        if self._grad_rows and self._staged_grad(shard):
             return self._grad_rows[shard].float()
-        return shard.param.grad.view(shard.spec.local_shape).to(torch.float32, copy=True)
+        return shard.grad_rows().to(torch.float32, copy=True)
 
     def push(self, group: Sequence[ParamShard]) -> Ticket:
         """Write the masters of ``group``, cast to the working dtype, where the gathers read them (after each group's

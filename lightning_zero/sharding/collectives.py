@@ -64,6 +64,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from functools import cached_property
 
 import torch
@@ -84,6 +85,9 @@ from lightning_zero.sharding.in_flight import (
 )
 from lightning_zero.sharding.quantize import INTRA_NODE_BITS, BlockFormat, TwoStageReduce, quantize
 from lightning_zero.sharding.topology import Links, Topology
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class CollectiveDeviceError(RuntimeError):
@@ -455,7 +459,8 @@ class Collectives:
     # ----------------------------------------------------------------------------------------------- small tensors
 
     def all_reduce_(self, tensor: Tensor, what: str, op: str = "sum") -> None:
-        """Reduce ``tensor`` in place across ranks with ``op`` ("sum" or "max"): small tensors (norms, flags, counts)."""
+        """Reduce ``tensor`` in place across ranks with ``op`` ("sum", "max" or "min"): small tensors (norms, flags,
+        counts)."""
         self.check(what, tensor)
         if self.local:
             return
@@ -463,7 +468,29 @@ class Collectives:
         n = self.world_size
         volume = 2 * nbytes * (n - 1) / n
         self.stats.record("all_reduce", volume, volume, self.links.ring(volume))
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group)
+
+    def all_to_all(self, send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], what: str) -> Tensor:
+        """Send ``send_counts[r]`` consecutive elements of the flat ``send`` to rank ``r`` and return what every rank
+        sent this one, ``recv_counts[r]`` from rank ``r``, in rank order (optimizer ownership: sharding/ownership.py).
+        Counted as what leaves this rank for another."""
+        self.check(what, send)
+        if self.local:
+            return send.clone()
+        recv = send.new_empty(sum(recv_counts))
+        nbytes = (sum(send_counts) - send_counts[self.rank]) * send.element_size()
+        self.stats.record("all_to_all", nbytes, nbytes, self.links.all_to_all(send_counts, send.element_size(),
+                                                                              self.rank))
+        dist.all_to_all_single(recv, send, list(recv_counts), list(send_counts), group=self.group)
+        return recv
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (small picklable objects: optimizer state's scalars), in rank order."""
+        if self.local:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
     def broadcast_(self, tensors: Sequence[Tensor], what: str, src: int = 0) -> None:
         """Overwrite ``tensors`` in place with the values held by group rank ``src``."""

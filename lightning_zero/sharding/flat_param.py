@@ -32,13 +32,13 @@ shards keep every shard a rectangular slice of a named parameter.
 
 [Note: the reduced gradient lives in param.grad]
 Once a parameter's gradient is reduced, ``param.grad`` holds this rank's shard of the averaged gradient: its owned
-rows, shape ``spec.local_shape``, in the reduction dtype (FSDP2's parameters hold local gradient shards the same
-way). The tensor is assigned while ``param.data`` momentarily has that shape, because ``param.grad``'s setter insists
-on the parameter's own shape. Keeping it there is what makes the optimizer's ``zero_grad`` (which walks its
-``param_groups``, the module's parameters) clear it, or zero it in place, with no hook on the optimizer: the next
-backward's reduction then starts from nothing, or accumulates onto the zeros, exactly as ``zero_grad`` means for
-DDP's full gradients. Before each backward the runtime takes such shards out of ``param.grad`` (autograd must find
-it empty or full-shaped) and adds the new reduction to them.
+rows, in the reduction dtype, wrapped as a ``ShardedGrad`` of the full shape that answers user code as the full
+gradient would (sharded_grad.py; FSDP2's parameters hold local gradient shards as DTensors the same way). Keeping it
+there is what makes the optimizer's ``zero_grad`` (which walks its ``param_groups``, the module's parameters) clear
+it, or zero it in place, with no hook on the optimizer: the next backward's reduction then starts from nothing, or
+accumulates onto the zeros, exactly as ``zero_grad`` means for DDP's full gradients. Before each backward the
+runtime takes such shards out of ``param.grad`` (autograd must find it empty or full-shaped) and adds the new
+reduction to them; the step takes whatever user code left there (``ParamShard.grad_rows``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.sharding.sharded_grad import ShardedGrad
 from lightning_zero.sharding.sharded_param import placeholder, sharded_class
 
 
@@ -145,8 +146,14 @@ class ParamShard:
     working: Tensor | None = None
     #: Whether ``param`` holds only its shard now (stage 3 between uses).
     sharded: bool = False
-    #: ``param._version`` when the runtime last wrote the parameter (see ``adopt_edits``).
+    #: Whether the end of fit gave the module its full parameters back (``ZeroRuntime.release``): the parameter is
+    #: the user's again, and edits are only copied into the shards (a checkpoint saved after fit reads them).
+    released: bool = False
+    #: ``param._version`` and ``param.data_ptr()`` when the runtime last wrote the parameter (see ``adopt_edits``).
     written_version: int = -1
+    written_ptr: int = -1
+    written_storage: int = -1
+    written_exact: bool = True
 
     def __post_init__(self) -> None:
         #: The parameter's own class, which it has whenever it holds values.
@@ -167,6 +174,7 @@ class ParamShard:
         self.param.data = placeholder(self.spec.shape, self.dtype, self.device)
         self.param.__class__ = sharded_class(self.param_class)
         self.sharded = True
+        self.mark_written()
 
     def to_unsharded(self, storage: Tensor) -> None:
         """Make the full parameter a view of ``storage`` (at least ``spec.numel`` elements of ``dtype``)."""
@@ -178,23 +186,85 @@ class ParamShard:
         self.param.data = values
         self.sharded = False
 
-    def mark_written(self) -> None:
-        """The full parameter now holds exactly what the shards say (after a gather or an adopted edit)."""
+    def mark_written(self, exact: bool = True) -> None:
+        """The full parameter now holds what the shards say (after a gather or an adopted edit); ``exact=False``: an
+        approximation of it (a quantized gather, qwZ), whose values cannot tell an edit."""
         self.written_version = self.param._version
+        self.written_ptr = self.param.data_ptr()
+        self.written_storage = self.param.untyped_storage().data_ptr()
+        self.written_exact = exact
 
     @torch.no_grad()
-    def adopt_edits(self) -> bool:
-        """If the full parameter was changed in place since the runtime last wrote it (clamping, an EMA copy,
-        ``load_state_dict``: anything autograd's version counter sees), copy its owned rows into ``local``, so the
-        next update starts from them instead of overwriting them. Returns whether it did."""
-        if self.sharded or self.param._version == self.written_version:
-            return False
-        rows = self.spec.local_view(self.param.detach())
+    def adopt_edits(self, compare: bool = True) -> None:
+        """Take what user code wrote into the parameter since the runtime last wrote it into the shards (see [Note:
+        what user code sees of a parameter and its gradient] in user_view.py): a rebinding of ``.data``, an edit
+        autograd's version counter sees, and, with ``compare``, any change of the values (a write through ``.data``
+        moves no version counter), element by element and without a host synchronisation."""
+        full = self.param.detach()
+        if full.data_ptr() != self.written_ptr and not self.released:
+            self._follow_rebinding(full)
+            return
+        compare = compare and self.written_exact
+        if self.sharded or (not compare and self.param._version == self.written_version):
+            return
+        rows = self.spec.local_view(full)
         for destination in (self.local, self.working):
-            if destination is not None and destination.data_ptr() != rows.data_ptr():
-                destination.copy_(rows)
+            if destination is not None and not _same_memory(destination, rows):
+                _adopt_changed_elements(destination, rows)
         self.mark_written()
-        return True
+
+    def _follow_rebinding(self, full: Tensor) -> None:
+        """``param.data = other``: the shards take all of ``other``'s rows, and the parameter keeps aliasing
+        ``other``, as under DDP (``ModelPruning``'s lottery-ticket reset relies on it): shards that were views of the
+        old parameter become views of the new one, and a floating-point tensor of another dtype becomes the
+        parameter's working dtype (an fp32 tensor put into a bf16 parameter under mixed precision: DDP's parameters
+        are fp32 there). A sharded stage-3 parameter holds no values between uses, so it is emptied again, in its
+        own dtype, after its rows were taken."""
+        if full.shape != self.spec.shape:
+            raise ValueError(
+                f"parameter {self.name!r} was rebound to a tensor of shape {tuple(full.shape)} (`.data = ...`), its "
+                f"shape is {tuple(self.spec.shape)}: ZeRO keeps each parameter's shape for its whole life; build the "
+                "model with the final shapes"
+            )
+        follows_dtype = full.dtype.is_floating_point and self.dtype.is_floating_point and not self.sharded
+        if full.device != self.device or (full.dtype != self.dtype and not follows_dtype):
+            full = full.to(self.device, self.dtype)
+            self.param.data = full
+        self.dtype = full.dtype if not self.sharded else self.dtype
+        old = [d is not None and d.untyped_storage().data_ptr() == self.written_storage for d in (self.local, self.working)]
+        rows = self.spec.local_view(full)
+        if old[0]:
+            self.local = rows
+        elif self.local is not None:
+            self.local.copy_(rows)
+        if old[1]:
+            self.working = rows
+        elif self.working is not None:
+            self.working.copy_(rows)
+        if self.sharded:
+            self.to_sharded()
+        self.mark_written()
+
+    def grad_rows(self) -> Tensor | None:
+        """This rank's rows of the gradient the step uses, shaped ``spec.local_shape``: what ``param.grad`` holds
+        when the step takes it back (see [Note: what user code sees of a parameter and its gradient] in
+        user_view.py): a ``ShardedGrad``'s rows, the rows of a full-shape gradient (user code assigned one, or
+        world size 1, where autograd's own gradient is the shard), or ``None``."""
+        grad = self.param.grad
+        if grad is None:
+            return None
+        if isinstance(grad, ShardedGrad):
+            layout = grad._layout
+            if layout.shape != self.spec.shape or (layout.lo, layout.hi) != self.spec.owned_rows():
+                raise ValueError(f"the gradient of {self.name!r} holds rows {layout.lo}-{layout.hi} of shape "
+                                 f"{tuple(layout.shape)}; this rank steps rows {self.spec.owned_rows()}")
+            return grad._local.view(self.spec.local_shape)
+        if grad.shape == self.spec.shape:
+            return self.spec.local_view(grad)
+        if grad.shape == self.spec.local_shape:  # a shard put there by the runtime itself
+            return grad
+        raise ValueError(f"the gradient of {self.name!r} has shape {tuple(grad.shape)}, the parameter "
+                         f"{tuple(self.spec.shape)}")
 
     def set_grad_shard(self, grad: Tensor | None) -> None:
         """Put a reduced gradient shard (or None) in ``param.grad``, whatever the parameter's current shape."""
@@ -202,11 +272,25 @@ class ParamShard:
             self.param.grad = grad
             return
         data = self.param.data
-        self.param.data = grad
+        self.param.data = placeholder(grad.shape, grad.dtype, grad.device)
         try:
             self.param.grad = grad
         finally:
             self.param.data = data
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.device == b.device
+
+
+def _adopt_changed_elements(destination: Tensor, rows: Tensor) -> None:
+    """Where ``rows`` (what the parameter holds) differs from ``destination`` as the runtime last wrote it (cast to
+    the parameter's dtype), ``destination`` takes the new value; the other elements keep theirs (an fp32 master keeps
+    its precision where a 16-bit parameter was not touched). Rows on another device (an offloaded master on the host,
+    when the parameter is on a GPU) are copied over first."""
+    rows = rows.to(destination.device)
+    same = rows == destination.to(rows.dtype)
+    destination.copy_(torch.where(same, destination, rows.to(destination.dtype)))
 
 
 def clean_name(name: str) -> str:

@@ -42,6 +42,10 @@ from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 from lightning_zero.sharding.quantize import BlockFormat
 
 
+#: Makes what user code sees as ``param.grad`` from a shard's reduced rows.
+HandOut = Callable[[ParamShard, Tensor], Tensor]
+
+
 class GradHooks:
     """A post-accumulate-grad hook on every parameter that requires a gradient, calling ``on_ready(shard)``, and, if
     given, a hook calling ``on_arriving(shard)`` as each gradient is computed, before it is accumulated.
@@ -108,11 +112,15 @@ class GradShards:
     ``param.grad`` kept past ``zero_grad`` sees the next step's gradient.
     """
 
-    def __init__(self, world_size: int, keep_full_grads: bool, storage: ShardStorage | None = None) -> None:
+    def __init__(self, world_size: int, keep_full_grads: bool, storage: ShardStorage | None = None,
+                 hand_out: HandOut | None = None) -> None:
         self.world_size = world_size
         self.keep_full_grads = keep_full_grads
         self.storage = storage or ShardStorage()
+        #: What user code is given as ``param.grad`` for a shard's reduced rows (user_view.py: a ``ShardedGrad``).
+        self.hand_out = hand_out
         self._given: dict[ParamShard, Tensor] = {}
+        self._shown: dict[ParamShard, Tensor] = {}
         self._held: dict[ParamShard, Tensor] = {}
         self._full: dict[ParamShard, Tensor] = {}
         self._storage: dict[ParamShard, Tensor] = {}
@@ -122,13 +130,14 @@ class GradShards:
         """Before a backward: carry the shards still in ``param.grad`` into it (``zero_grad`` drops them)."""
         for shard, given in self._given.items():
             full = self._full.pop(shard, None)
-            if shard.param.grad is not given:  # dropped by zero_grad(set_to_none=True), or replaced by the user
+            if shard.param.grad is not self._shown[shard]:  # dropped by zero_grad(set_to_none=True), or replaced
                 if full is not None:
                     self._spare[shard] = full
                 continue
             self._held[shard] = given
             shard.param.grad = self._full_holding(shard, full, given) if self.keep_full_grads else None
         self._given.clear()
+        self._shown.clear()
 
     def lend_spare(self, shard: ParamShard) -> None:
         """Stage 1, as a gradient of ``shard``'s parameter arrives: if the parameter has none, give it its dropped
@@ -174,7 +183,8 @@ class GradShards:
 
     def _give(self, shard: ParamShard, grad_shard: Tensor) -> None:
         self._given[shard] = grad_shard
-        shard.set_grad_shard(grad_shard)
+        shown = self._shown[shard] = self.hand_out(shard, grad_shard) if self.hand_out else grad_shard
+        shard.set_grad_shard(shown)
 
     def buffers(self) -> list[Tensor]:
         """Persistent shard storage (stage 2 and 3), for memory accounting."""
@@ -241,16 +251,16 @@ class GradReducer:
     """
 
     def __init__(self, shards: Sequence[ParamShard], comms: Collectives, config: CommConfig, keep_full_grads: bool,
-                 pool: BufferPool | None = None, storage: ShardStorage | None = None):
+                 pool: BufferPool | None = None, storage: ShardStorage | None = None, hand_out: HandOut | None = None):
         self.comms = comms
         self.config = config
         self.keep_full_grads = keep_full_grads
-        self.grad_shards = GradShards(comms.world_size, keep_full_grads, storage)
+        self.grad_shards = GradShards(comms.world_size, keep_full_grads, storage, hand_out)
         self._reductions = BucketReductions(comms, pool or BufferPool(comms.device), self.grad_shards,
                                             grad_format(config))
         self._order = [s for s in reversed(shards) if s.param.is_floating_point()]
-        self._plans: dict[tuple[bool, ...], list[Bucket]] = {}
-        self._plan_key: tuple[bool, ...] | None = None
+        self._plans: dict[tuple[tuple[bool, torch.dtype], ...], list[Bucket]] = {}
+        self._plan_key: tuple[tuple[bool, torch.dtype], ...] | None = None
         self._buckets: list[Bucket] = []
         self._position: dict[ParamShard, tuple[int, int]] = {}
         self._ready: list[list[bool]] = []
@@ -274,10 +284,10 @@ class GradReducer:
         self.grad_shards.take()
 
     def _use_plan(self) -> None:
-        key = tuple(s.param.requires_grad for s in self._order)
+        key = tuple((s.param.requires_grad, s.dtype) for s in self._order)  # a rebinding may change a dtype
         if key != self._plan_key:
             if key not in self._plans:
-                trainable = [s for s, t in zip(self._order, key) if t]
+                trainable = [s for s, (t, _) in zip(self._order, key) if t]
                 config = self.config
                 self._plans[key] = make_buckets(
                     trainable, config.bucket_bytes, config.reduce_torch_dtype, alone_bytes=config.inplace_bytes

@@ -54,7 +54,8 @@ initializer fails or leaves a tensor unwritten, every module materialized so far
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -98,21 +99,25 @@ def has_meta_tensors(module: nn.Module) -> bool:
 
 
 def materialize_shards(
-    root: nn.Module, device: torch.device, generator_state: Tensor | None, rank: int, world_size: int
+    root: nn.Module, device: torch.device, generator_state: Tensor | None, rank: int, world_size: int,
+    loaded: dict[Tensor, Tensor] | None = None,
 ) -> dict[nn.Parameter, tuple[torch.Size, Tensor]]:
     """Replace every meta parameter and buffer of ``root`` by a real one on ``device``.
 
     Parameters come back empty (the stage-3 sharded state); the returned dict maps each of them to its full shape
-    and its local rows. On failure ``root`` is left on the meta device. See [Note: initial values of a model built
+    and its local rows. ``loaded``: values ``load_state_dict`` gave meta tensors (``LoadsOnMeta``), which replace
+    their initial values. On failure ``root`` is left on the meta device. See [Note: initial values of a model built
     on the meta device].
     """
     names = {m: n for n, m in root.named_modules()}
     units = _plan(root)
-    _check_initializable(units, names)
-    _check_no_checkpoint_is_dropped(root, names)
+    loaded = loaded or {}
+    _check_initializable([unit for unit in units if not _all_loaded([unit], loaded)], names)
+    if not _all_loaded(units, loaded):
+        _check_no_checkpoint_is_dropped(root, names)
     if generator_state is not None:
         _set_rng_state(device, generator_state)
-    materializer = _Materializer(device, names)
+    materializer = _Materializer(device, names, loaded)
     local_rows: dict[nn.Parameter, tuple[torch.Size, Tensor]] = {}
     try:
         for unit in units:
@@ -124,6 +129,63 @@ def materialize_shards(
         materializer.undo()
         raise
     return local_rows
+
+
+def _all_loaded(units: list[_Unit], loaded: dict[Tensor, Tensor]) -> bool:
+    return all(t in loaded for unit in units for m in unit.modules for t in _own_meta_tensors(m))
+
+
+class LoadsOnMeta:
+    """``load_state_dict`` on a model built on the meta device (under ``Trainer.init_module()``), whose values torch
+    would drop (a copy into a meta tensor does nothing): each module built while ``watching`` gets a load pre-hook
+    that keeps, per meta parameter and buffer, the value the state dict gives it (a reference, not a copy), and
+    setup materializes from those values instead of the initializers' (``materialize_shards(loaded=...)``), as DDP
+    keeps what ``load_state_dict`` loaded into an ``empty_init`` model."""
+
+    def __init__(self) -> None:
+        self.values: dict[Tensor, Tensor] = {}
+        self._hooked: dict[nn.Module, object] = {}
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Hook every module that gets a submodule, parameter or buffer while inside."""
+        register = torch.nn.modules.module
+        handles = [
+            register.register_module_module_registration_hook(lambda module, _name, child: self._hook(module, child)),
+            register.register_module_parameter_registration_hook(lambda module, _name, _p: self._hook(module)),
+            register.register_module_buffer_registration_hook(lambda module, _name, _b: self._hook(module)),
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, *modules: nn.Module | None) -> None:
+        for module in modules:
+            if isinstance(module, nn.Module) and module not in self._hooked:
+                self._hooked[module] = module._register_load_state_dict_pre_hook(self._keep, with_module=True)
+
+    @torch.no_grad()
+    def _keep(self, module: nn.Module, state_dict, prefix, *_args) -> None:
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            value = state_dict.get(prefix + name)
+            if tensor is not None and tensor.is_meta and torch.is_tensor(value) and value.shape == tensor.shape:
+                self.values[tensor] = value
+
+    def __getstate__(self) -> dict:  # pickled with the Trainer for spawned ranks: the values go, the hooks stay
+        return {"values": self.values, "_hooked": {}}
+
+    def release(self) -> None:
+        """Remove the hooks and forget the values (setup has materialized from them)."""
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        self.values = {}
+
+
+def _own_meta_tensors(module: nn.Module) -> list[Tensor]:
+    return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None and t.is_meta]
 
 
 # ------------------------------------------------------------------------------------------------------- the plan
@@ -261,6 +323,8 @@ class _Materializer:
 
     device: torch.device
     names: dict[nn.Module, str]
+    #: Values ``load_state_dict`` gave meta tensors (``LoadsOnMeta``): they replace the initial values.
+    loaded: dict[Tensor, Tensor] = field(default_factory=dict)
     #: Each meta parameter's real replacement, and the module that registered it first.
     real: dict[nn.Parameter, nn.Parameter] = field(default_factory=dict)
     registered_by: dict[nn.Parameter, nn.Module] = field(default_factory=dict)
@@ -271,9 +335,14 @@ class _Materializer:
 
     def materialize(self, unit: _Unit) -> list[nn.Parameter]:
         """Allocate, initialize and check ``unit``; returns the full parameters it registered first."""
+        first = len(self.replaced)
         allocated = {module: self._allocate(module) for module in unit.modules}
         for module, initializer in unit.steps:
             self._run(module, initializer)
+        with torch.no_grad():
+            for tensors, name, meta in self.replaced[first:]:
+                if meta in self.loaded:
+                    tensors[name].copy_(self.loaded[meta])
         for module, tensors in allocated.items():
             self._check_written(unit, module, tensors)
         return [m._parameters[n] for m, tensors in allocated.items() for kind, n in tensors if kind == "parameter"]

@@ -43,7 +43,7 @@ from lightning_zero.sharding.collectives import Collectives
 from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT, BufferPool
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import (
-    BucketReductions, GradHooks, GradShards, ShardStorage, grad_format, warn_unused,
+    BucketReductions, GradHooks, GradShards, HandOut, ShardStorage, grad_format, warn_unused,
 )
 from lightning_zero.sharding.quantize import BlockFormat
 from lightning_zero.sharding.unit_state import (
@@ -79,7 +79,7 @@ class ShardedParams:
     (see [Note: the life of a unit in one training step])."""
 
     def __init__(self, root: Unit, units: Sequence[Unit], comms: Collectives, comm: CommConfig, config: Stage3Config,
-                 storage: ShardStorage | None = None):
+                 storage: ShardStorage | None = None, hand_out: HandOut | None = None):
         self.root = root
         self.units = list(units)
         self._announced = 0
@@ -95,7 +95,7 @@ class ShardedParams:
         self.comms = comms
         self.comm = comm
         self.config = config
-        self.grad_shards = GradShards(comms.world_size, keep_full_grads=False, storage=storage)
+        self.grad_shards = GradShards(comms.world_size, keep_full_grads=False, storage=storage, hand_out=hand_out)
         self._reduce_order = self.units[::-1] + [root]
         self._reduce_buckets: dict[tuple[Unit, tuple[bool, ...]], list[Bucket]] = {}
         # Rank-major buffers of unit gathers and reductions, kept across units and steps up to a bound (see [Note:
@@ -293,7 +293,9 @@ class ShardedParams:
                     f"{unit} (unit collective #{mine[2]} of this step), rank {rank} to "
                     f"{self._KINDS[theirs[0]]} {units[theirs[1]]} (#{theirs[2]}). Every rank must run the same units "
                     "in the same order: run the branch on every rank, or make the modules it skips part of the root "
-                    "unit (units=...)"
+                    "unit (units=...). Hugging Face's generate() stops a rank whose sequences ended early unless it "
+                    "is given synced_gpus=True (ZeroStrategy sets it for transformers' models under zero3: pass it "
+                    "where generate() is called on another module)"
                 )
                 self.comms.abort()  # a collective issued before this check has no counterpart on the other ranks
                 raise error
@@ -340,10 +342,12 @@ class ShardedParams:
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Every unit gathered, and kept so through forwards run meanwhile; freed again on exit."""
+        """Every unit gathered, and kept so through forwards run meanwhile; on exit each unit is as it was (a unit
+        gathered for the step in progress, the root between forward and backward, is gathered again, as before)."""
         if self._holding:
             yield
             return
+        before = {unit: unit.quantized for unit in self.all_units if unit.state is not UnitState.SHARDED}
         for unit in self.all_units:
             unit.drop_secondary()  # hpZ: edits made while gathered would make it stale
             if unit.quantized:  # gathered for a forward under qwZ: the exact values are wanted here
@@ -356,6 +360,8 @@ class ShardedParams:
             self._holding = False
             for unit in self.all_units:
                 unit.reshard()
+                if unit in before:
+                    unit.wait_unshard(quantized=before[unit])
 
     def grad_buffers(self) -> list[Tensor]:
         return self.grad_shards.buffers()

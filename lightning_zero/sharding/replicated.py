@@ -55,7 +55,7 @@ class ReplicatedParams:
         self.comms = comms
         self.config = config
         self.pool = pool
-        self._buckets: dict[tuple[ParamShard, ...], list[Bucket]] = {}
+        self._buckets: dict[tuple[tuple[ParamShard, torch.dtype], ...], list[Bucket]] = {}
         #: Buckets launched or queued, in launch order, and the index of the first one not completed.
         self._order: list[Bucket] = []
         #: Per launched bucket, its gather (None once completed).
@@ -80,7 +80,7 @@ class ReplicatedParams:
         """All-gather the local shards (cast to the parameters' dtype) of ``shards`` into their full parameters;
         ``defer`` returns once the first buckets are launched (the rest completes on use)."""
         self.wait()
-        key = tuple(shards)
+        key = tuple((s, s.dtype) for s in shards)  # a rebinding may change a parameter's dtype
         if key not in self._buckets:
             # In parameter order, as the next forward uses them: a packed bucket (kept open across the large
             # parameters) goes where its first parameter is, not after the large ones it spans.

@@ -71,6 +71,7 @@ from lightning_zero.sharding.shards import (
 from lightning_zero.sharding.single_rank import SingleRank
 from lightning_zero.sharding.unit_state import Unit
 from lightning_zero.sharding.units import plan_units
+from lightning_zero.sharding.user_view import UserView
 
 __all__ = ["NonFiniteGradientsError", "ZeroRuntime", "sync_module_states"]
 
@@ -102,6 +103,9 @@ class ZeroRuntime:
         self.shards, self.cast = make_shards(module, config.stage, comms, working_dtype, materialized or {},
                                              self.single_rank)
         self.shard_of = {s.param: s for s in self.shards}
+        #: What user code sees of the parameters and gradients (see [Note: what user code sees of a parameter and its
+        #: gradient]).
+        self.user_view = UserView(comms, self.shards)
         self.offload: Offload | None = None
         try:
             self._compose(offload)
@@ -110,6 +114,11 @@ class ZeroRuntime:
             raise
         self.scaling = StepScaling(comms, config.nonfinite_grads)
         self.optimizers: dict[int, ShardedOptimizer] = {}
+        #: Optimizers whose gradients ``unscale_for_hooks`` unscaled for this step.
+        self._unscaled: dict[int, bool] = {}
+        #: DDP's ``require_forward_param_sync``: the next forward broadcasts the buffers first (see ``_sync_buffers``).
+        self._buffers_stale = True
+        self._accumulating = False
         #: Whether ``release`` gave the module its full parameters back (end of fit).
         self.released = False
 
@@ -137,7 +146,7 @@ class ZeroRuntime:
             pool = BufferPool(comms.device)  # bucket buffers shared by the gradient and parameter pipelines
             self.parameters = ReplicatedParams(module, self.shards, comms, config.comm, pool)
             self.gradients = GradReducer(self.shards, comms, config.comm, config.stage == 1, pool,
-                                         self._grad_storage())
+                                         self._grad_storage(), self.user_view.hand_out)
 
     @property
     def last_grad_norm(self) -> Tensor | None:
@@ -158,7 +167,7 @@ class ZeroRuntime:
 
         units = [unit(i + 1, p) for i, p in enumerate(plans)]
         return ShardedParams(unit(0, root_plan), units, self.comms, self.config.comm, self.config.stage3,
-                             self._grad_storage())
+                             self._grad_storage(), self.user_view.hand_out)
 
     def _grad_storage(self):
         """Where gradient shards live: in memory, or where the offload keeps them (disk offload on a host)."""
@@ -168,7 +177,13 @@ class ZeroRuntime:
 
     def shard_optimizer(self, optimizer: Optimizer) -> ShardedOptimizer:
         keep_rows = self.offload.keep_state_rows if self.offload is not None else Tensor.clone
-        sharded = ShardedOptimizer(optimizer, self.shard_of, keep_rows)
+        sharded = ShardedOptimizer(optimizer, self.shard_of, keep_rows, self.comms, self.config.optimizer_sharding)
+        if sharded.ownership is not None and self.offload is not None:
+            raise ValueError(
+                f"{type(optimizer).__name__} owns whole parameters (optimizer_sharding={self.config.optimizer_sharding!r}"
+                f": its update is not known to be element-wise), and offloading an owned optimizer's states is not "
+                "implemented: drop offload_optimizer, or use an element-wise optimizer (Adam, AdamW, SGD, ...)"
+            )
         if self.offload is not None:
             self.offload.use_fused_kernels(optimizer)
         self.optimizers[id(optimizer)] = sharded
@@ -184,13 +199,36 @@ class ZeroRuntime:
 
     # --------------------------------------------------------------------------------------------------- a step
 
-    def begin_step(self, training: bool) -> None:
-        """Before a training/evaluation step: buffers from rank 0 (as DDP), the root unit's parameters (stage 3)."""
+    def begin_step(self, training: bool, fitting: bool = True) -> None:
+        """Before a training/evaluation step: buffers from rank 0 where DDP would broadcast them (see
+        ``_sync_buffers``), the root unit's parameters (stage 3). ``fitting``: the step runs inside ``fit``."""
         if not training:
             self.wait()
-        if training and self.config.comm.broadcast_buffers:
-            self.comms.world.broadcast_(floating_buffers(self.module), "the module's floating-point buffers")
+        self._sync_buffers(training, fitting)
+        self.adopt_rebindings()
         self.parameters.begin_step()
+
+    def _sync_buffers(self, training: bool, fitting: bool) -> None:
+        """DDP's rule for ``broadcast_buffers`` (``DistributedDataParallel._pre_forward``/``_post_forward``): rank 0's
+        buffers are broadcast before a forward of the wrapped module if the forward before it was a training forward
+        that synchronizes gradients, and the module is wrapped only during ``fit``. So the validation inside ``fit``
+        right after a training step runs on rank 0's BatchNorm statistics, the training step after a validation, or
+        after a micro-batch under ``no_sync``, does not broadcast, and evaluation outside ``fit`` never does."""
+        if not fitting:
+            return
+        if self._buffers_stale and self.config.comm.broadcast_buffers:
+            self.comms.world.broadcast_(floating_buffers(self.module), "the module's floating-point buffers")
+        self._buffers_stale = training and not self._accumulating
+
+    def adopt_rebindings(self) -> None:
+        """Parameters whose ``.data`` user code replaced since the last step are taken back before anything runs
+        with them; gathers still in flight are waited for only if one was (user code that rebinds ran after the
+        gate completed them)."""
+        rebound = self.user_view.rebound()
+        if rebound:
+            self.wait()
+            for shard in rebound:
+                shard.adopt_edits(compare=False)
 
     def reading_guard(self):
         """Around ``training_step``: a parameter whose all-gather is still in flight is completed before any
@@ -205,6 +243,7 @@ class ZeroRuntime:
         # Gathers a forward left in flight (a module it skipped) are completed first: every rank then issues its
         # backward's reductions after the same gathers, whatever its forward ran.
         self.parameters.wait()
+        self.user_view.begin_backward()
         self.gradients.pre_backward()
 
     def post_backward(self) -> None:
@@ -213,8 +252,12 @@ class ZeroRuntime:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation between optimizer steps (stage 1 defers reduction to the boundary)."""
-        with self.gradients.no_sync():
-            yield
+        self._accumulating = True
+        try:
+            with self.gradients.no_sync():
+                yield
+        finally:
+            self._accumulating = False
 
     def end_step(self) -> None:
         """After the step's last backward, or after an evaluation step: free what stage 3 still holds gathered."""
@@ -232,18 +275,19 @@ class ZeroRuntime:
         if result is None and automatic:
             self.end_step()
             return None  # training_step returned None: no backward, no step (as Lightning's AMP plugin)
-        self.adopt_edits()
+        self.adopt_edits(compare=self.offload is None)
         clip_value = clip[1] if clip is not None and clip[0] == "value" else None
+        unscaled = self._unscaled.pop(id(optimizer), False)
         if self.offload is not None:
             stepped = sharded.shards_with_grads()
-            factor = self.scaling.agree([s.param.grad for s in stepped], precision.scaler, clip)
+            factor = self.scaling.agree([s.grad_rows() for s in stepped], precision.scaler, clip, unscaled)
             if factor is None:
                 return None
             output = self.offload.update(sharded, stepped, float(factor), clip_value, **kwargs)  # the host steps
         else:
             grads = sharded.step_grads()
             stepped = [s for s, _ in grads]
-            factor = self.scaling.agree([g for _, g in grads], precision.scaler, clip)
+            factor = self.scaling.agree([g for _, g in grads], precision.scaler, clip, unscaled)
             if factor is None:
                 return None
             scale_([g for _, g in grads], factor, clip_value)
@@ -251,12 +295,21 @@ class ZeroRuntime:
         self.parameters.after_update(stepped, defer=defer_gather)
         return output
 
-    def adopt_edits(self) -> None:
-        """Parameters changed in place since the shards last wrote them keep their new values (see
-        ``ParamShard.adopt_edits``; under mixed precision the fp32 masters take them)."""
+    @torch.no_grad()
+    def unscale_for_hooks(self, optimizer: Optimizer, scaler: Any) -> None:
+        """Under fp16 loss scaling, before ``on_before_optimizer_step``: ``optimizer``'s gradients become fp32 and
+        unscaled, as Lightning's AMP plugin hands them to user code under DDP (see [Note: what user code sees of a
+        parameter and its gradient]); the step then takes them as they are."""
+        if scaler is None or not scaler.is_enabled():
+            return
+        self.user_view.unscale(self.sharded(optimizer).step_grads(), scaler)
+        self._unscaled[id(optimizer)] = True
+
+    def adopt_edits(self, compare: bool = True) -> None:
+        """What user code wrote into the parameters is taken back into the shards (``UserView.take_back``), once
+        every parameter holds its gathered values."""
         self.wait()
-        for shard in self.shards:
-            shard.adopt_edits()
+        self.user_view.take_back(compare)
 
     def grad_norm(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:
         """What Lightning's ``grad_norm(module, norm_type)`` returns under DDP, over every rank's gradient shards."""
@@ -285,6 +338,13 @@ class ZeroRuntime:
 
     def end_evaluation(self) -> None:
         self._evaluation_hold.close()
+
+    @contextmanager
+    def gathered_gradients(self) -> Iterator[None]:
+        """Plain full gradients in ``param.grad`` for user code while inside; edits are kept (see
+        ``UserView.gathered_gradients``)."""
+        with self.user_view.gathered_gradients():
+            yield
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -413,6 +473,9 @@ class ZeroRuntime:
                     partial(bucket.unpack, tensors=params))
                 for param in params:
                     param.data = keep(param.data, device)
+        for shard in self.shards:
+            shard.released = True
+            shard.mark_written()
         if self.offload is not None:
             self.offload.close(optimizers)
 

@@ -42,13 +42,15 @@ class StepScaling:
         self.skipped_steps = 0
 
     @torch.no_grad()
-    def agree(self, grads: list[Tensor], scaler: Any, clip: tuple[str, float] | None) -> Tensor | float | None:
+    def agree(self, grads: list[Tensor], scaler: Any, clip: tuple[str, float] | None,
+              unscaled: bool = False) -> Tensor | float | None:
         """The factor the gradients are multiplied by (the loss scale's inverse, the clip coefficient), or ``None``
         when the step is skipped on every rank; see [Note: non-finite gradients]. ``scaler``: the fp16
-        ``torch.amp.GradScaler`` (see [Note: the fp16 loss scaler] in precision.py), updated here."""
+        ``torch.amp.GradScaler`` (see [Note: the fp16 loss scaler] in precision.py), updated here; ``unscaled``: the
+        gradients were unscaled already (for user hooks)."""
         if scaler is not None and not scaler.is_enabled():
             scaler = None  # as torch disables a GradScaler made for CUDA where there is none: DDP steps unscaled too
-        inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+        inv_scale = 1.0 / scaler.get_scale() if scaler is not None and not unscaled else 1.0
         by_norm = clip is not None and clip[0] == "norm"
         factor: Tensor | float = inv_scale
         if scaler is None and not by_norm and self.policy == "ignore":
@@ -112,7 +114,7 @@ def grad_norms(
     """What Lightning's ``grad_norm(module, norm_type)`` returns under DDP, from the reduced gradient shards of
     every rank (one all-reduce): the norm of each parameter's whole gradient and their total."""
     norm_type = float(norm_type)
-    named = [(s.name, s.param.grad) for s in shards if s.param.grad is not None]
+    named = [(s.name, s.grad_rows()) for s in shards if s.param.grad is not None]
     if norm_type == float("inf"):
         parts = torch.stack([g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
                              for _, g in named]) if named else torch.zeros(0)

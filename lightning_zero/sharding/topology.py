@@ -48,6 +48,7 @@ counted too, by the ring model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -185,6 +186,10 @@ class Links:
             return sent
         following = (self.index + 1) % n
         return nbytes if n > 1 and following != root and self._crosses(following) else 0.0
+
+    def all_to_all(self, counts: Sequence[int], itemsize: int, own: int) -> float:
+        """An all-to-all sending ``counts[p]`` elements of ``itemsize`` bytes straight to each member ``p``."""
+        return float(sum(c * itemsize for p, c in enumerate(counts) if p != own and self._crosses(p)))
 
     def to_peers(self, nbytes: float, peers: list[int]) -> float:
         """``nbytes`` sent straight to each of ``peers`` (group ranks)."""

@@ -166,7 +166,7 @@ class Unit:
                 pieces = gather.complete(partial(bucket.unpack_to_storage, storage=self._sized_storage(i)))
             for shard, piece in zip(bucket.shards, pieces):
                 shard.to_unsharded(piece)
-                shard.mark_written()
+                shard.mark_written(exact=not self.quantized)
         self._gathers = []
         if self._from_secondary:
             self._from_secondary = False

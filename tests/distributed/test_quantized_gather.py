@@ -63,14 +63,14 @@ class StepBytes(pl.Callback):
 
 
 class ExactGather(pl.Callback):
-    """After each backward, while the root unit is still gathered quantized: ``gathered_parameters`` gives every
-    rank's rows exactly as its shards hold them (the root gathered again in full precision)."""
+    """Before each backward, while the root unit is gathered quantized: ``gathered_parameters`` gives every rank's
+    rows exactly as its shards hold them (the root gathered again in full precision)."""
 
     def __init__(self) -> None:
         self.quantized_before: list[bool] = []
         self.exact: list[bool] = []
 
-    def on_after_backward(self, trainer, *args) -> None:
+    def on_before_backward(self, trainer, *args) -> None:
         runtime = trainer.strategy.runtime
         self.quantized_before.append(runtime.parameters.root.quantized)
         with trainer.strategy.gathered_parameters():

@@ -1,0 +1,159 @@
+"""What user code sees of a parameter and its gradient, and when what it writes is taken back: the one owner of that
+contract. ``ZeroRuntime`` calls it at every point where control passes between user code and the sharded state.
+
+[Note: what user code sees of a parameter and its gradient]
+DDP is the reference: a LightningModule, its callbacks and the user's own code read and write ``p``, ``p.data`` and
+``p.grad`` in any hook, and the result must be DDP's, or one error before any state changed. Two facts make that
+hard under ZeRO: the values that are stepped live in shards (fp32 masters under mixed precision, on the host or on
+disk when offloaded), and the averaged gradient exists only as each rank's rows. So there is one rule per object:
+
+* **Parameters** are the user's. Under stages 1-2 every rank holds the full parameter between steps; under stage 3 a
+  parameter holds its values only inside its unit's forward and backward and inside
+  ``trainer.strategy.gathered_parameters()`` (elsewhere reading or writing its values raises, naming that way out:
+  sharded_param.py). Whatever user code writes into a parameter that holds values is taken back into the shards
+  before the runtime next reads them: before every optimizer step, before a checkpoint is saved, at the end of fit
+  (the module gets the masters then), when ``gathered_parameters()`` ends, after ``load_state_dict``. Three kinds of
+  write are detected (``ParamShard.adopt_edits``): a rebinding of ``.data`` (its pointer; ``ModelPruning``'s
+  lottery-ticket reset: the parameter then aliases the new tensor, as under DDP, and takes its dtype), an in-place
+  edit autograd's version counter sees, and a write through ``.data``, which moves no version counter and is found
+  by comparing the values with what the runtime last wrote, element by element and without a host synchronisation
+  (``EMAWeightAveraging``'s copy of the average at ``on_train_end``). Under mixed precision a masters' element takes
+  the new 16-bit value where the user changed it and keeps its fp32 value elsewhere. A rebinding is also taken back
+  when the next training step begins, so that the forward runs on the shards' dtype and values.
+* **Gradients** are handed to user code once they are complete: every reduction of a backward is finished before
+  ``on_after_backward`` runs (``ZeroStrategy.backward``), and under fp16 loss scaling they are unscaled (into fp32)
+  before ``on_before_optimizer_step``, as Lightning's AMP plugin unscales for DDP. ``p.grad`` is then a
+  ``ShardedGrad`` (sharded_grad.py, [Note: a sharded gradient answers as the full one]): norms, clipping and
+  element-wise edits give DDP's result, reads that would need other ranks' values raise naming
+  ``trainer.strategy.gathered_gradients()``. The step takes back whatever ``p.grad`` holds then
+  (``ParamShard.grad_rows``): an edited shard, a full tensor the user assigned, or ``None`` (not stepped, as a torch
+  optimizer skips it). Gradient accumulation: between optimizer steps stage 1 shows the local full gradients, as
+  DDP's ``no_sync``; stages 2 and 3 show the averaged sum so far.
+* **What is not covered** (the README names it): a write through ``.data`` inside a stage-3 unit's forward (during
+  the step a unit's parameters are taken back only when autograd's version counter moved), and a ``.data``
+  rebinding of a stage-3 parameter to a tensor of another dtype (its rows are cast to the shard's dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from lightning_zero.sharding.collectives import Collectives, gather_bucket
+from lightning_zero.sharding.flat_param import ParamShard, make_buckets
+from lightning_zero.sharding.in_flight import BufferPool
+from lightning_zero.sharding.sharded_grad import RowLayout, ShardedGrad
+
+
+def row_layout(shard: ParamShard) -> RowLayout:
+    """The rows of ``shard``'s parameter this rank holds (a 0-d parameter is one row)."""
+    lo, hi = shard.spec.owned_rows()
+    return RowLayout(shard.spec.shape, lo, hi, single=len(shard.spec.shape) == 0)
+
+
+class UserView:
+    """The owner of what user code sees of ``shards``' parameters and gradients (see [Note: what user code sees of a
+    parameter and its gradient]): takes back what it wrote into parameters, hands the reduced gradient shards out as
+    ``ShardedGrad`` and answers their reductions over the ranks that hold the other rows (``comms``: the shard
+    group). The runtime calls it wherever control passes between user code and the shards."""
+
+    def __init__(self, comms: Collectives, shards: Sequence[ParamShard]) -> None:
+        self.comms = comms
+        self.shards = list(shards)
+        self._position = {shard: i for i, shard in enumerate(shards)}
+        #: The gradients handed out since the last backward began, by their shard's position (the same on every rank).
+        self._handed: dict[int, ShardedGrad] = {}
+        self._norms: dict[float, dict[int, Tensor]] = {}
+
+    # ------------------------------------------------------------------------------------------------ parameters
+
+    def take_back(self, compare: bool = True) -> None:
+        """What user code wrote into the parameters since the shards last wrote them goes into the shards
+        (``ParamShard.adopt_edits``; under mixed precision the fp32 masters take it). ``compare=False``: rebindings
+        and version-counted edits only (an offloaded step compares values where it holds the masters)."""
+        for shard in self.shards:
+            shard.adopt_edits(compare)
+
+    def rebound(self) -> list[ParamShard]:
+        """The parameters whose ``.data`` user code replaced (``ModelPruning``'s reset): a pointer comparison each."""
+        return [s for s in self.shards if s.param.data_ptr() != s.written_ptr and not s.released]
+
+    # ------------------------------------------------------------------------------------------------- gradients
+
+    def hand_out(self, shard: ParamShard, rows: Tensor) -> ShardedGrad:
+        """``rows`` (this rank's averaged gradient rows of ``shard``) as the gradient user code sees."""
+        layout = row_layout(shard)
+        key = self._position[shard]
+        grad = ShardedGrad(rows.view(layout.local_shape), layout, self, shard.name, key)
+        self._handed[key] = grad
+        self.changed()
+        return grad
+
+    def begin_backward(self) -> None:
+        """A backward starts: what was handed out is taken back (or was dropped by ``zero_grad``)."""
+        self._handed.clear()
+        self.changed()
+
+    def changed(self) -> None:
+        self._norms.clear()
+
+    def all_reduce(self, tensor: Tensor, op: str) -> Tensor:
+        work = tensor.to(self.comms.device)
+        self.comms.all_reduce_(work, "a reduction of a sharded gradient", op=op)
+        return work.to(tensor.device)
+
+    @torch.no_grad()
+    def whole_norms(self, ord: float) -> dict[int, Tensor]:
+        """The ``ord``-norm (2 or inf) of every whole gradient handed out, computed together with one all-reduce
+        and kept until a gradient changes."""
+        if ord not in self._norms:
+            keys = sorted(self._handed)
+            locals_ = [self._handed[k]._local for k in keys]
+            if ord == 2.0:
+                parts = [t.float().square().sum() if t.numel() else t.new_zeros((), dtype=torch.float32) for t in locals_]
+            else:
+                parts = [t.float().abs().amax() if t.numel() else t.new_zeros((), dtype=torch.float32) for t in locals_]
+            stacked = torch.stack(parts) if parts else torch.zeros(0, device=self.comms.device)
+            combined = self.all_reduce(stacked, "sum" if ord == 2.0 else "max")
+            values = combined.sqrt() if ord == 2.0 else combined
+            self._norms[ord] = dict(zip(keys, values.unbind()))
+        return self._norms[ord]
+
+    @torch.no_grad()
+    def unscale(self, grads: Sequence[tuple[ParamShard, Tensor]], scaler) -> None:
+        """fp16 loss scaling, before ``on_before_optimizer_step``: ``grads`` (the step's fp32 gradients: copies of
+        the 16-bit ones) unscaled and handed out, as Lightning's AMP plugin hands user code unscaled gradients."""
+        inv_scale = 1.0 / scaler.get_scale()
+        for shard, grad in grads:
+            grad.mul_(inv_scale)
+            shard.set_grad_shard(self.hand_out(shard, grad))
+
+    @contextmanager
+    def gathered_gradients(self) -> Iterator[None]:
+        """Plain full gradients in ``p.grad`` while inside (one all-gather of every gradient shard); what user code
+        leaves there is taken back on exit (edits made in place or a new full tensor). Every rank must enter it."""
+        with_grads = [s for s in self.shards if isinstance(s.param.grad, ShardedGrad)]
+        shown = {s: s.param.grad for s in with_grads}
+        fulls = {s: torch.empty(s.spec.shape, dtype=shown[s].dtype, device=shown[s].device) for s in with_grads}
+        pool = BufferPool(self.comms.device, limit=0)
+        for dtype in {shown[s].dtype for s in with_grads}:
+            group = [s for s in with_grads if shown[s].dtype == dtype]
+            for bucket in make_buckets(group, 1 << 62, dtype):
+                sources = [shown[s]._local for s in bucket.shards]
+                targets = [fulls[s] for s in bucket.shards]
+                gather_bucket(self.comms, pool, bucket, sources).complete(partial(bucket.unpack, tensors=targets))
+        for shard in with_grads:
+            shard.set_grad_shard(fulls[shard])
+        try:
+            yield
+        finally:
+            for shard in with_grads:
+                left = shard.param.grad
+                if left is not None and left.shape == shard.spec.shape:
+                    shown[shard]._local.copy_(shard.spec.local_view(left).view(shown[shard]._local.shape))
+                shard.set_grad_shard(shown[shard] if left is not None else None)
+            self.changed()
