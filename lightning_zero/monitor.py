@@ -96,6 +96,9 @@ class MonitorSummary:
     shard_group_size: int | None = None
     cross_bytes_per_step: int | None = None
     ideal_cross_bytes_per_step: int | None = None
+    #: Where an optimizer owns whole parameters (sharding/ownership.py): each rank's optimizer-state bytes, whose
+    #: spread is the assignment's imbalance.
+    optimizer_per_rank: tuple[int, ...] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -103,7 +106,7 @@ class MonitorSummary:
     @classmethod
     def from_json(cls, text: str) -> MonitorSummary:
         raw = json.loads(text)
-        for key in ("held", "predicted", "ddp", "placement", "predicted_placement"):
+        for key in ("held", "predicted", "ddp", "placement", "predicted_placement", "optimizer_per_rank"):
             if raw.get(key) is not None:
                 raw[key] = tuple(raw[key])
         return cls(**raw)
@@ -172,13 +175,14 @@ class ZeroMonitor(pl.Callback):
         self._timing: list[_TimedStep] = []
         self._clock: _HostClock | _CudaClock = _HostClock()
         self._held: tuple[int, ...] | None = None
+        self._owned_state: tuple[int, ...] | None = None
         self._step_start: tuple[Any, tuple[int, int | None] | None] | None = None
         self._items = 0
         self._last_global_step = 0
         self._unit = "samples/s"
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.summary, self._steps, self._timing, self._held = None, [], [], None
+        self.summary, self._steps, self._timing, self._held, self._owned_state = None, [], [], None, None
         self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
         device = trainer.strategy.root_device
         self._clock = _CudaClock(device) if device.type == "cuda" else _HostClock()
@@ -203,6 +207,7 @@ class ZeroMonitor(pl.Callback):
         held = _held_bytes(trainer, pl_module)
         if self._held is None:  # optimizer states exist from the first step on; one gather is enough
             self._held = _largest_over_ranks(trainer, pl_module, held)
+            self._owned_state = _owned_state_per_rank(trainer, pl_module, held)
         finished = self._read_finished_steps()
         self._log(pl_module, held, comm, finished[-1] if finished else None, trainer.world_size)
 
@@ -213,6 +218,8 @@ class ZeroMonitor(pl.Callback):
         if not self._steps or self._held is None:
             return
         self.summary = _summarize(trainer, pl_module, self._held, self._steps, self._unit)
+        if self._owned_state is not None:
+            self.summary = dataclasses.replace(self.summary, optimizer_per_rank=self._owned_state)
         self._write_summary()
 
     def report(self) -> str:
@@ -289,6 +296,13 @@ def format_report(s: MonitorSummary) -> str:
         f"  measured / DDP: {sum(s.held) / sum(s.ddp):.2f}x"
         + (f"; plus up to {fmt(s.bucket_bytes)} of communication buckets" if s.bucket_bytes else "")
     )
+    if s.optimizer_per_rank:
+        mean = sum(s.optimizer_per_rank) / len(s.optimizer_per_rank)
+        lines.append(
+            "  optimizer states per rank (whole parameters owned by one rank each): "
+            + ", ".join(fmt(b) for b in s.optimizer_per_rank)
+            + (f"; the largest {max(s.optimizer_per_rank) / mean:.2f}x the mean" if mean else "")
+        )
     if s.placement is not None:
         lines.append("  where they live per rank: " + _placement(s.placement, fmt))
         if s.predicted_placement is not None:
@@ -439,6 +453,16 @@ def _largest_over_ranks(
     local = torch.tensor(figures, dtype=torch.int64, device=pl_module.device)
     largest = trainer.strategy.reduce(local, reduce_op="max")
     return tuple(int(v) for v in largest.tolist())
+
+
+def _owned_state_per_rank(trainer: pl.Trainer, pl_module: pl.LightningModule,
+                          held: ModelStateBytes) -> tuple[int, ...] | None:
+    """Every rank's optimizer-state bytes where an optimizer owns whole parameters (else ``None``: rows are even)."""
+    runtime = getattr(trainer.strategy, "_runtime", None)
+    if runtime is None or not any(o.ownership is not None for o in runtime.optimizers.values()):
+        return None
+    local = torch.tensor([held.optimizer], dtype=torch.int64, device=pl_module.device)
+    return tuple(int(v) for v in trainer.strategy.all_gather(local).reshape(-1).tolist())
 
 
 def _comm_total(trainer: pl.Trainer) -> tuple[int, int | None] | None:

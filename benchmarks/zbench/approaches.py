@@ -49,6 +49,8 @@ APPROACHES: dict[str, Approach] = {
                  note="Trainer(strategy='auto', devices=1): the Trainer's own per-step cost"),
         Approach("ddp", "torch DDP", "loop", "none"),
         Approach("lit_ddp", "Lightning DDP", "lightning", "none", note="DDPStrategy through the same Trainer path"),
+        Approach("lit_fsdp2", "Lightning FSDP2 (ModelParallelStrategy)", "lightning", "zero3",
+                 note="ModelParallelStrategy, fully_shard per Block + root in configure_model, as its docs show"),
         Approach("torch_zero1", "DDP + ZeroRedundancyOptimizer", "loop", "zero1"),
         Approach("fsdp2_noreshard", "FSDP2 reshard_after_forward=False", "loop", "zero3-noreshard",
                  note="fully_shard per Block + root; keeps params gathered from forward to backward"),
@@ -256,6 +258,10 @@ def make_strategy(approach: Approach, world: int):
 
         # The comm hook is registered by worker.py (Lightning registers hooks only on CUDA).
         return DDPStrategy(gradient_as_bucket_view=True, bucket_cap_mb=BUCKET_MB)
+    if approach.name == "lit_fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     from lightning_zero import ZeroStrategy
 
     return ZeroStrategy(bucket_mb=BUCKET_MB, units=("Block",), **approach.options)

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 from zbench.model import SIZES, ModelSize, long_sequence
 
-CORE = ["ddp", "lit_ddp", "torch_zero1", "fsdp2", "ds_z1", "ds_z2", "ds_z3", "lz_zero1", "lz_zero2", "lz_zero3"]
-ALL = ["ddp", "lit_ddp", "torch_zero1", "fsdp2_noreshard", "fsdp2", "ds_z1", "ds_z2", "ds_z3",
+CORE = ["ddp", "lit_ddp", "torch_zero1", "fsdp2", "lit_fsdp2", "ds_z1", "ds_z2", "ds_z3", "lz_zero1", "lz_zero2",
+        "lz_zero3"]
+ALL = ["ddp", "lit_ddp", "torch_zero1", "fsdp2_noreshard", "fsdp2", "lit_fsdp2", "ds_z1", "ds_z2", "ds_z3",
        "ds_z1_off", "ds_z2_off", "ds_z3_off", "lz_zero1", "lz_zero2", "lz_zero1_packed", "lz_zero2_packed", "lz_zero3",
        "lz_zero3_noreshard"]
 #: The approaches the goal figures at M-2 compare (issue 13): run ``Config.goal_rounds`` more rounds.
-GOALS = ["ddp", "lit_ddp", "fsdp2", "ds_z3", "lz_zero1", "lz_zero2", "lz_zero3"]
+GOALS = ["ddp", "lit_ddp", "fsdp2", "lit_fsdp2", "ds_z3", "lz_zero1", "lz_zero2", "lz_zero3"]
 WORLD1 = ["single", "lit_single", "ddp", "lit_ddp", "torch_zero1", "fsdp2", "ds_z1", "ds_z2", "ds_z3",
           "lz_zero1", "lz_zero2", "lz_zero3"]
 
@@ -61,7 +62,8 @@ def full_plan(rounds: int = 2, warmup: int = 2, steps: int = 4, goal_rounds: int
 
 def quick_plan() -> list[Config]:
     tiny = SIZES["tiny"]
-    two = ("ddp", "lit_ddp", "torch_zero1", "fsdp2", "ds_z1", "ds_z2", "ds_z3", "lz_zero1", "lz_zero2", "lz_zero3")
+    two = ("ddp", "lit_ddp", "torch_zero1", "fsdp2", "lit_fsdp2", "ds_z1", "ds_z2", "ds_z3", "lz_zero1", "lz_zero2",
+           "lz_zero3")
     return [
         Config("tiny-2", "main", tiny, 2, 2, two, 1, 2, 3),
         Config("tiny-1", "ranks", tiny, 1, 2, ("single", "lz_zero3"), 1, 2, 3),

@@ -176,6 +176,19 @@ def run_lightning(approach, model, batches, rec: Recorder, world: int) -> dict:
             x, y = batch
             return self.model(x, y)
 
+        def configure_model(self):
+            """Lightning's ModelParallelStrategy leaves the sharding to the module, as its documentation shows:
+            ``fully_shard`` each Block, then the root (reshard after forward, FSDP2's default)."""
+            if type(self.trainer.strategy).__name__ != "ModelParallelStrategy":
+                return
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for module in self.model.modules():
+                if type(module).__name__ == "Block":
+                    fully_shard(module, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
         def configure_optimizers(self):
             return make_optimizer(self.parameters())
 

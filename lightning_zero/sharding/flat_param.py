@@ -200,14 +200,13 @@ class ParamShard:
         what user code sees of a parameter and its gradient] in user_view.py): a rebinding of ``.data``, an edit
         autograd's version counter sees, and, with ``compare``, any change of the values (a write through ``.data``
         moves no version counter), element by element and without a host synchronisation."""
-        full = self.param.detach()
-        if full.data_ptr() != self.written_ptr and not self.released:
-            self._follow_rebinding(full)
+        if self.param.data_ptr() != self.written_ptr and not self.released:
+            self._follow_rebinding(self.param.detach())
             return
         compare = compare and self.written_exact
         if self.sharded or (not compare and self.param._version == self.written_version):
             return
-        rows = self.spec.local_view(full)
+        rows = self.spec.local_view(self.param.detach())
         for destination in (self.local, self.working):
             if destination is not None and not _same_memory(destination, rows):
                 _adopt_changed_elements(destination, rows)

@@ -46,6 +46,7 @@ from torch import Tensor
 from lightning_zero.sharding.collectives import Collectives, gather_bucket
 from lightning_zero.sharding.flat_param import ParamShard, make_buckets
 from lightning_zero.sharding.in_flight import BufferPool
+from lightning_zero.sharding import sharded_grad_ops  # noqa: F401  (registers what a ShardedGrad answers)
 from lightning_zero.sharding.sharded_grad import RowLayout, ShardedGrad
 
 

@@ -15,6 +15,9 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.monitor import ZeroMonitor
+from lightning_zero.sharding.flat_param import ShardSpec
+from lightning_zero.sharding.ownership import owned_elements
 from tests.distributed.test_lightning_semantics import _error
 from tests.harness import run_on_ranks
 from tests.models import make_trainer, pattern_loader
@@ -83,11 +86,13 @@ def _steps(optimizer: str, batches: int) -> int:
     return batches * (2 if optimizer == "muon" else 1)  # max_steps counts each optimizer's steps
 
 
-def _fit(strategy, optimizer: str, batches: int = STEPS, ckpt_path=None, **kwargs) -> tuple[pl.Trainer, list[float]]:
+def _fit(strategy, optimizer: str, batches: int = STEPS, ckpt_path=None, callbacks=(),
+         **kwargs) -> tuple[pl.Trainer, list[float]]:
     pl.seed_everything(7, verbose=False)
     model = GPT2(optimizer)
     losses = Losses()
-    trainer = make_trainer(strategy, 2, max_steps=_steps(optimizer, batches), callbacks=[losses], **kwargs)
+    trainer = make_trainer(strategy, 2, max_steps=_steps(optimizer, batches), callbacks=[losses, *callbacks],
+                           **kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer, losses.values
 
@@ -100,6 +105,11 @@ def _run(rank: int, world_size: int, root: Path) -> dict:
             trainer, out[optimizer, name] = _fit(ZeroStrategy(stage=stage), optimizer)
             sharded = [trainer.strategy.runtime.sharded(o) for o in trainer.optimizers]
             out["layout", optimizer, name] = [s.sharding for s in sharded]
+    monitor = ZeroMonitor()
+    trainer, _ = _fit(ZeroStrategy(stage=2), "muon", callbacks=[monitor])
+    out["state_bytes"] = [sum(v.numel() * v.element_size() for st in o.state.values() for v in st.values()
+                              if torch.is_tensor(v) and v.dim() > 0) for o in trainer.optimizers]
+    out["report"] = monitor.report()
     out["muon", "ddp", "bf16"] = _fit(DDPStrategy(), "muon", precision="bf16-mixed")[1]
     out["muon", "zero2", "bf16"] = _fit(ZeroStrategy(stage=2), "muon", precision="bf16-mixed")[1]
     # Resume at the middle from a checkpoint, as DDP resumes from its own.
@@ -182,3 +192,17 @@ def test_what_ownership_cannot_do_is_refused_in_one_line(per_rank) -> None:
     rank = per_rank[0][0]
     assert rank["refused", "rows"].startswith("ValueError: optimizer_sharding='rows' cannot step Adafactor")
     assert rank["refused", "offload"].startswith("ValueError: LARS owns whole parameters")
+
+
+def test_owned_state_bytes_per_rank_are_the_estimates(per_rank) -> None:
+    """Muon's momentum (4 bytes an element) on the matrices each rank owns, AdamW's two moments (8 bytes) on its rows
+    of the rest: each rank's measured optimizer state within 10% of that, and the run report states them."""
+    model = GPT2("muon")
+    matrices, rest = model._groups()
+    owned = owned_elements([p.shape for p in matrices], 2)
+    for rank, out in enumerate(per_rank[0]):
+        adamw = sum(8 * ShardSpec(p.shape, rank, 2).local_numel for p in rest)
+        muon, adam_measured = out["state_bytes"]
+        assert muon == pytest.approx(4 * owned[rank], rel=0.1) and adam_measured == pytest.approx(adamw, rel=0.1)
+        line = next(line for line in out["report"].splitlines() if "whole parameters owned" in line)
+        assert "the largest" in line

@@ -111,6 +111,10 @@ def _parameter_cases(root: Path) -> dict:
         trainer, losses = _fit(strategy(), ParityModel, callbacks=[_ema()], precision=precision,
                                limit_val_batches=0)
         out["ema", name] = losses, _final(trainer, root, f"ema-{name}")
+        for param in trainer.lightning_module.parameters():  # edited after fit through .data, then saved
+            param.data.mul_(2.0)
+        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, EMAWeightAveraging)]
+        out["after_fit", name] = _final(trainer, root, f"after-fit-{name}")
         trainer, losses = _fit(strategy(), ParityModel, steps=-1, callbacks=[_pruning()], precision=precision,
                                max_epochs=3, limit_train_batches=3)
         out["pruning", name] = losses, _final(trainer, root, f"pruning-{name}")
@@ -383,6 +387,14 @@ def test_ema_average_is_the_model_after_fit_and_in_its_checkpoint(per_rank, name
             _assert_same_weights(final["module"], final["average"], BF16_ROUNDING, "module after fit")
         _assert_same_weights(final["saved"], final["module"], dict(rtol=0, atol=0), "checkpoint saved after fit")
         _assert_same_weights(final["saved_average"], final["average"], dict(rtol=0, atol=0), "average saved")
+
+
+@pytest.mark.parametrize("name", PARAM_CONFIGS)
+def test_writes_after_fit_reach_a_checkpoint_saved_then(per_rank, name: str) -> None:
+    for rank in per_rank:
+        final, before = rank["after_fit", name], rank["ema", name][1]
+        _assert_same_weights(final["saved"], final["module"], dict(rtol=0, atol=0), "checkpoint saved after the edit")
+        _assert_same_weights(final["module"], {k: 2 * v for k, v in before["module"].items()}, FP32, "edited")
 
 
 @pytest.mark.parametrize("name", PARAM_CONFIGS)
