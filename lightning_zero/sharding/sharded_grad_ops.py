@@ -52,21 +52,21 @@ def _combine(x: ShardedGrad, partial: Tensor, op: str, local_dims: list[int], ke
     return combined
 
 
-def _partial(local: Tensor, dims: list[int], op: str, p: float = 1.0) -> Tensor:
+def _partial(local: Tensor, dims: list[int], op: str, p: float | None = None) -> Tensor:
     """This rank's part of a reduction over ``dims`` (kept as size 1), the identity where it holds no rows."""
     if local.numel() == 0:
         shape = [1 if d in dims else s for d, s in enumerate(local.shape)]
         return torch.full(shape, _IDENTITY[op], dtype=torch.float64 if local.dtype == torch.float64 else
                           torch.float32, device=local.device)
     work = local.double() if local.dtype == torch.float64 else local.float()
-    if p != 1.0:
+    if p is not None:  # a norm's: |x|, or |x|**p
         work = work.abs() if p in (math.inf, -math.inf) else work.abs().pow(p)
     if op == "sum":
         return work.sum(dim=dims, keepdim=True)
     return work.amax(dim=dims, keepdim=True) if op == "max" else work.amin(dim=dims, keepdim=True)
 
 
-def _reduce(x: ShardedGrad, dim, keepdim: bool, op: str, p: float, finish: Callable[[Tensor], Tensor], out_dtype,
+def _reduce(x: ShardedGrad, dim, keepdim: bool, op: str, p: float | None, finish: Callable[[Tensor], Tensor], out_dtype,
             local_op: Callable[[Tensor], Tensor]) -> Any:
     dims, across = _all_dims(x._layout, dim)
     if not across:  # the rows stay: a sharded result
@@ -80,14 +80,14 @@ def _reduce(x: ShardedGrad, dim, keepdim: bool, op: str, p: float, finish: Calla
 def _sum(func, args, kwargs):
     x, dim, keepdim, dtype = _args(func, args, kwargs, ("self", "dim", "keepdim", "dtype"), (None, None, False, None))
     out_dtype = dtype or (x.dtype if x.dtype.is_floating_point else torch.int64)
-    return _reduce(x, dim, keepdim, "sum", 1.0, lambda t: t, out_dtype, lambda t: func(t, *args[1:], **kwargs))
+    return _reduce(x, dim, keepdim, "sum", None, lambda t: t, out_dtype, lambda t: func(t, *args[1:], **kwargs))
 
 
 def _mean(func, args, kwargs):
     x, dim, keepdim, dtype = _args(func, args, kwargs, ("self", "dim", "keepdim", "dtype"), (None, None, False, None))
     dims = _global_dims(x, dim)
     count = math.prod(x.shape[d] for d in dims)
-    return _reduce(x, dim, keepdim, "sum", 1.0, lambda t: t / count, dtype or x.dtype,
+    return _reduce(x, dim, keepdim, "sum", None, lambda t: t / count, dtype or x.dtype,
                    lambda t: func(t, *args[1:], **kwargs))
 
 
@@ -109,7 +109,7 @@ def _extreme(op: str):
             shape = torch.Size((x._layout.shape[0], *values.shape[1:]))
             layout = RowLayout(shape, x._layout.lo, x._layout.hi)
             return wrap(values, layout, x), wrap(indices, layout, x)
-        return _reduce(x, dim, keepdim, op, 1.0, lambda t: t, x.dtype, lambda t: func(t, *args[1:], **kwargs))
+        return _reduce(x, dim, keepdim, op, None, lambda t: t, x.dtype, lambda t: func(t, *args[1:], **kwargs))
 
     return handler
 
@@ -122,7 +122,7 @@ def _vector_norm(func, args, kwargs):
     if x._key is not None and dim is None and not keepdim and ord in (2.0, math.inf):
         return x._owner.whole_norms(ord)[x._key].to(out_dtype)  # computed for every gradient at once
     if ord == 0.0:
-        op, p, finish = "sum", 1.0, lambda t: t
+        op, p, finish = "sum", None, lambda t: t
         x = wrap((x._local != 0).to(torch.float32), x._layout, x)
     elif ord in (math.inf, -math.inf):
         op, p, finish = ("max" if ord > 0 else "min"), ord, lambda t: t
@@ -135,7 +135,7 @@ def _truth(op: str):
     def handler(func, args, kwargs):
         x, dim, keepdim = _args(func, args, kwargs, ("self", "dim", "keepdim"), (None, None, False))
         flag = wrap((x._local != 0).to(torch.float32), x._layout, x)
-        return _reduce(flag, dim, keepdim, op, 1.0, lambda t: t, torch.bool, lambda t: func(t, *args[1:], **kwargs))
+        return _reduce(flag, dim, keepdim, op, None, lambda t: t, torch.bool, lambda t: func(t, *args[1:], **kwargs))
 
     return handler
 
@@ -143,7 +143,7 @@ def _truth(op: str):
 def _count_nonzero(func, args, kwargs):
     x, dim = _args(func, args, kwargs, ("self", "dim"), (None, None))
     flag = wrap((x._local != 0).to(torch.float32), x._layout, x)
-    return _reduce(flag, dim, False, "sum", 1.0, lambda t: t, torch.int64, lambda t: func(t, *args[1:], **kwargs))
+    return _reduce(flag, dim, False, "sum", None, lambda t: t, torch.int64, lambda t: func(t, *args[1:], **kwargs))
 
 
 def _equal(func, args, kwargs):
