@@ -73,6 +73,7 @@ OPTION_VALUES: dict[str, Pair] = {
         NOT_A_LIST | st.sampled_from([nn.Linear, [""], [3], ["Block", None]]),
     ),
     "nonfinite_grads": _one_of(["skip", "raise", "ignore"], ["warn", "", "SKIP", None, 1, {"a": 1}]),
+    "optimizer_sharding": _one_of(["auto", "rows", "params"], ["row", "", "AUTO", None, 1, ["rows"]]),
     "bucket_mb": _mib(),
     "inplace_mb": _mib(optional=True),
     "reduce_dtype": _one_of(
