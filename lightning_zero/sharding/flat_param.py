@@ -189,9 +189,10 @@ class ParamShard:
     def mark_written(self, exact: bool = True) -> None:
         """The full parameter now holds what the shards say (after a gather or an adopted edit); ``exact=False``: an
         approximation of it (a quantized gather, qwZ), whose values cannot tell an edit."""
-        self.written_version = self.param._version
-        self.written_ptr = self.param.data_ptr()
-        self.written_storage = self.param.untyped_storage().data_ptr()
+        with torch._C.DisableTorchFunctionSubclass():  # metadata of a sharded parameter, without its checks
+            self.written_version = self.param._version
+            self.written_ptr = self.param.data_ptr()
+            self.written_storage = self.param.untyped_storage().data_ptr()
         self.written_exact = exact
 
     @torch.no_grad()
@@ -200,7 +201,9 @@ class ParamShard:
         what user code sees of a parameter and its gradient] in user_view.py): a rebinding of ``.data``, an edit
         autograd's version counter sees, and, with ``compare``, any change of the values (a write through ``.data``
         moves no version counter), element by element and without a host synchronisation."""
-        if self.param.data_ptr() != self.written_ptr and not self.released:
+        with torch._C.DisableTorchFunctionSubclass():
+            rebound = self.param.data_ptr() != self.written_ptr
+        if rebound and not self.released:
             self._follow_rebinding(self.param.detach())
             return
         compare = compare and self.written_exact

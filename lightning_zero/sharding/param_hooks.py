@@ -359,7 +359,7 @@ class ShardedParams:
         finally:
             self._holding = False
             for unit in self.all_units:
-                unit.reshard()
+                unit.reshard(compare=True)  # user code had the values: writes through .data are taken too
                 if unit in before:
                     unit.wait_unshard(quantized=before[unit])
 

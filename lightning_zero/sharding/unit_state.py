@@ -215,16 +215,17 @@ class Unit:
         self._from_secondary = True
         self.state = UnitState.GATHERING
 
-    def reshard(self, keep_edits: bool = True) -> None:
+    def reshard(self, keep_edits: bool = True, compare: bool = False) -> None:
         """Free the full parameters (a gather in flight is completed first, to keep ranks' collectives aligned).
-        ``keep_edits``: values changed in place while gathered (``gathered_parameters``, ``load_state_dict``) are
-        written back into the shards first."""
+        ``keep_edits``: values changed in place while gathered (``load_state_dict``, in-place edits autograd counts)
+        are written back into the shards first; ``compare``: also writes through ``.data``, found by comparing the
+        values (a pass over the unit's rows: for the end of ``gathered_parameters``, not for every forward)."""
         if self.state is UnitState.SHARDED:
             return
         self.wait_unshard()
         for shard in self.shards:
             if keep_edits:
-                shard.adopt_edits()
+                shard.adopt_edits(compare)
             shard.to_sharded()
         for i, storage in enumerate(self._storages):
             if storage is None:

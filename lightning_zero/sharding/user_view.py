@@ -81,7 +81,8 @@ class UserView:
 
     def rebound(self) -> list[ParamShard]:
         """The parameters whose ``.data`` user code replaced (``ModelPruning``'s reset): a pointer comparison each."""
-        return [s for s in self.shards if s.param.data_ptr() != s.written_ptr and not s.released]
+        with torch._C.DisableTorchFunctionSubclass():  # a sharded stage-3 parameter's class answers metadata slowly
+            return [s for s in self.shards if s.param.data_ptr() != s.written_ptr and not s.released]
 
     # ------------------------------------------------------------------------------------------------- gradients
 
