@@ -11,6 +11,7 @@ from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.sharding.collectives import CommStats
 from lightning_zero.sharding.in_flight import NonFiniteWeightsError
 from lightning_zero.sharding.runtime import NonFiniteGradientsError
+from lightning_zero.sharding.sharded_grad import ShardedGradientError
 from lightning_zero.strategy import ZeroStrategy
 from lightning_zero.watchdog import PeerFailure
 
@@ -22,6 +23,7 @@ __all__ = [
     "NonFiniteGradientsError",
     "NonFiniteWeightsError",
     "PeerFailure",
+    "ShardedGradientError",
     "ZeroConfig",
     "ZeroConfigError",
     "ZeroStrategy",
