@@ -10,6 +10,7 @@ at setup to ``lightning_compat.py``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -47,7 +48,7 @@ from lightning_zero.sharding.collectives import Collectives, CommStats, topology
 from lightning_zero.sharding.materialize import generator_state, has_meta_tensors, materialize_shards, rng_state
 from lightning_zero.sharding.overlap import install_gate
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
-from lightning_zero.sharding.topology import Topology
+from lightning_zero.sharding.topology import Topology, launched_node_size
 from lightning_zero.watchdog import Watchdog
 
 _START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
@@ -226,11 +227,15 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         self._failed = False
 
     def topology(self) -> Topology:
-        """Which ranks shard together and which share a host (see [Note: hybrid sharding] in sharding/topology.py);
-        raises, naming the option, unless ``shard_group_size`` and ``node_size`` divide the world size."""
+        """Which ranks shard together and which share a node (see [Note: hybrid sharding] and [Note: nodes from the
+        launcher] in sharding/topology.py); raises, naming the option, unless ``shard_group_size`` and ``node_size``
+        divide the world size, or when the launcher's nodes disagree with the Trainer's ``num_nodes``."""
         options = self.config.topology
+        environment = self.cluster_environment
+        external = environment is not None and environment.creates_processes_externally
+        host_ranks = launched_node_size(os.environ, external, self.num_processes, self.num_nodes, self.world_size)
         return Topology.make(self.world_size, self.global_rank, options.shard_group_size, options.node_size,
-                             host_ranks=self.num_processes, hpz_group_size=options.hpz_group_size)
+                             host_ranks=host_ranks, hpz_group_size=options.hpz_group_size)
 
     def _collectives(self) -> Collectives:
         """The runtime's collectives over the world; under hybrid sharding over the shard group (with hpZ, and its

@@ -44,14 +44,32 @@ replica all-reduce of the gradient shard (a ring of 2: the whole segment, ``Psi/
 ``b * Psi/2``. With ``hpz_group_size=2`` (flat), the units' backward gathers run inside each node (unit_state.py,
 [Note: hpZ's secondary shards]): ``b * ((2 + c) S_units + (2 + c) S_root)``. Small all-reduces (norm, flags) are
 counted too, by the ring model.
+
+[Note: nodes from the launcher]
+Which ranks share a node is the launcher's to say: torchrun gives each rank ``LOCAL_WORLD_SIZE``, SLURM
+``SLURM_NTASKS_PER_NODE``; where Lightning starts the processes itself, a node runs the Trainer's ``devices``. A
+launcher's node size is checked against the Trainer: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes must be its
+``num_nodes``, else setup fails on every rank with one error naming both (Lightning's own check, ``devices *
+num_nodes`` equal to the world size, lets ``Trainer(devices=4, num_nodes=1)`` under a torchrun of 2 nodes x 2
+through, and the nodes would then silently be taken for one: qgZ's stages, ``cross_group_bytes`` and
+``shard_group_size="node"`` all wrong). ``shard_group_size="node"`` and ``hpz_group_size="node"`` name that size.
+
+Tests and benchmarks emulate several nodes on one host (4 CPU ranks as 2 nodes x 2); there the launcher started one
+node, and ``node_size`` (or, without it, the shard group or hpZ group size) says where the emulated nodes split. A
+``node_size`` given under a launcher of several nodes must agree with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
-from lightning_zero.config import ZeroConfigError
+from lightning_zero.config import PER_NODE, ZeroConfigError
+
+#: Where launchers give the ranks they started on each node: torchrun (and its elastic agents), SLURM with
+#: ``--ntasks-per-node``.
+LAUNCHER_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
 @dataclass(frozen=True)
@@ -68,26 +86,27 @@ class Topology:
     hpz_group_size: int | None = None
 
     @classmethod
-    def make(cls, world_size: int, rank: int, shard_group_size: int | None, node_size: int | None,
-             host_ranks: int, hpz_group_size: int | None = None) -> Topology:
-        """From the options (``None``: flat sharding; the node size from the options, else ``shard_group_size``
-        under hybrid sharding, else ``hpz_group_size`` under hpZ, else ``host_ranks``, the ranks Lightning starts on
-        one host). Raises, naming the option, unless each divides the world size and ``hpz_group_size`` divides the
-        shard group size and is smaller."""
-        group = world_size if shard_group_size is None else shard_group_size
+    def make(cls, world_size: int, rank: int, shard_group_size: int | str | None, node_size: int | None,
+             host_ranks: int, hpz_group_size: int | str | None = None) -> Topology:
+        """From the options (``None``: flat sharding; ``"node"``: one group per node) and ``host_ranks``, the ranks
+        the launcher started on each node (``launched_node_size``). The node size (see [Note: nodes from the
+        launcher]): ``node_size`` if given, else ``host_ranks`` when the launcher started several nodes, else (one
+        node, emulating several) ``shard_group_size``, ``hpz_group_size`` or ``host_ranks``, the first given as a
+        number. Raises, naming the option, unless each divides the world size, ``hpz_group_size`` divides the shard
+        group size and is smaller, and a ``node_size`` given agrees with a launcher that started several nodes."""
+        node_size = _node_size(world_size, node_size, host_ranks, shard_group_size, hpz_group_size)
+        group = _per_node(shard_group_size, node_size)
+        group = world_size if group is None else group
         _check_divides("shard_group_size", group, world_size)
-        if node_size is None:
-            node_size = next(size for size in (shard_group_size, hpz_group_size, host_ranks) if size is not None)
-            if world_size % node_size:  # one host holding a part of the world only: the world is the node
-                node_size = world_size
-        _check_divides("node_size", node_size, world_size)
-        if hpz_group_size is not None and (hpz_group_size >= group or group % hpz_group_size):
+        hpz = _per_node(hpz_group_size, node_size)
+        if hpz is not None and (hpz >= group or group % hpz):
             allowed = ", ".join(str(d) for d in range(1, group) if group % d == 0) or "none"
+            given = f"{hpz_group_size!r} ({hpz} ranks a node)" if hpz_group_size == PER_NODE else str(hpz)
             raise ZeroConfigError(
-                f"hpz_group_size={hpz_group_size} is invalid for a shard group of {group} ranks (world {world_size}): "
+                f"hpz_group_size={given} is invalid for a shard group of {group} ranks (world {world_size}): "
                 f"it must divide the shard group size and be smaller (allowed: {allowed})"
             )
-        return cls(world_size, rank, group, node_size, hpz_group_size)
+        return cls(world_size, rank, group, node_size, hpz)
 
     @property
     def needs_groups(self) -> bool:
@@ -139,6 +158,49 @@ def _check_divides(name: str, value: int, world_size: int) -> None:
             f"{name}={value} is invalid for a world of {world_size} ranks: it must divide the world size "
             f"(allowed: {allowed})"
         )
+
+
+def _node_size(world_size: int, node_size: int | None, host_ranks: int, *groups: int | str | None) -> int:
+    """The ranks of a node (see [Note: nodes from the launcher])."""
+    several = host_ranks < world_size
+    if node_size is not None:
+        if several and node_size != host_ranks:
+            raise ZeroConfigError(
+                f"node_size={node_size} disagrees with the launcher, which started {world_size // host_ranks} nodes "
+                f"of {host_ranks} ranks: drop node_size (the nodes are read from the launcher)"
+            )
+        _check_divides("node_size", node_size, world_size)
+        return node_size
+    if several:
+        return host_ranks
+    size = next((g for g in groups if isinstance(g, int)), host_ranks)
+    return size if world_size % size == 0 else world_size  # one host holding a part of the world: the world is a node
+
+
+def _per_node(value: int | str | None, node_size: int) -> int | None:
+    """A group size as given, ``"node"`` resolved to ``node_size`` (config.py refused anything but ints and it)."""
+    return node_size if value == PER_NODE else value  # type: ignore[return-value]
+
+
+def launched_node_size(environ: Mapping[str, str], external: bool, devices: int, num_nodes: int,
+                       world_size: int) -> int:
+    """The ranks a node runs, as the launcher laid them out: its variable (``LAUNCHER_VARIABLES``) when it started
+    the processes (``external``: torchrun, SLURM, ...), else the Trainer's ``devices`` (Lightning started them).
+    Raises ``ZeroConfigError`` when the nodes it makes of the world disagree with the Trainer's ``num_nodes``
+    (see [Note: nodes from the launcher])."""
+    found = next(((name, environ[name]) for name in LAUNCHER_VARIABLES if external and environ.get(name, "").isdigit()
+                  and int(environ[name]) > 0), None)
+    if found is None:
+        return devices
+    name, value = found[0], int(found[1])
+    if world_size % value or world_size // value != num_nodes:
+        nodes = f"{world_size // value} nodes of {value} ranks" if world_size % value == 0 else "a ragged layout"
+        raise ZeroConfigError(
+            f"the launcher started {nodes} ({name}={value}, world size {world_size}), but the Trainer has "
+            f"num_nodes={num_nodes} and devices={devices}: set Trainer(num_nodes={max(1, world_size // value)}, "
+            f"devices={value}) to match the launch"
+        )
+    return value
 
 
 @dataclass(frozen=True)
