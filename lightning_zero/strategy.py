@@ -44,7 +44,14 @@ from lightning_zero.memory import (
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
-from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
+from lightning_zero.sharding.collectives import (
+    Collectives,
+    CommStats,
+    is_initialized,
+    run_failed,
+    started_world,
+    topology_collectives,
+)
 from lightning_zero.sharding.materialize import generator_state, has_meta_tensors, materialize_shards, rng_state
 from lightning_zero.sharding.overlap import install_gate
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
@@ -116,6 +123,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         self._comms: tuple[Any, Collectives] | None = None
         self._init_rng_state: Tensor | int | None = None
         self._failed = False
+        self._communicating = False
         self._watchdog: Watchdog | None = None
 
     @classmethod
@@ -175,14 +183,19 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        initialized = is_initialized()
         super().setup_environment()
+        if not initialized and is_initialized():  # Lightning's setup made it: destroyed at exit, as DDP's on NCCL
+            started_world()  # see [Note: tearing down at exit] in sharding/collectives.py
         settle_mkl_dispatch()  # before any optimizer step on the host (host_math.py)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._communicating = False
         refuse_unsupported(trainer, self.model, self.config)
         self.topology()  # a shard_group_size or node_size that does not divide the world fails here, on every rank
+        self._communicating = True  # from here on an error may leave collectives without a counterpart
         self._start_watchdog()
         self.accelerator.setup(trainer)
         if self.root_device.type == "cpu" and (self.config.stage == 3 or self.config.offload.offload_optimizer):
@@ -414,6 +427,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        if self._communicating:  # not a refusal at the start of setup, which every rank raises before any collective
+            run_failed()
         if self._watchdog is not None:
             self._watchdog.on_exception(exception)
         super().on_exception(exception)

@@ -62,6 +62,7 @@ not wait.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -486,7 +487,7 @@ class Collectives:
         if self.local or self._control is not None:
             return
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
-        self._control = dist.new_group(ranks, backend="gloo")
+        self._control = new_group(ranks, backend="gloo")
 
     def exchange(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (a few host-side integers: which collective a rank is about to issue). Control
@@ -542,18 +543,90 @@ def topology_collectives(
     world = Collectives(device, **options)
     comms = world
     if topology.hybrid:
-        shard_groups = [dist.new_group(ranks) for ranks in topology.shard_groups()]
-        replica_groups = [dist.new_group(ranks) for ranks in topology.replica_groups()]
-        controls = [dist.new_group(ranks, backend="gloo") for ranks in topology.shard_groups()]
+        shard_groups = [new_group(ranks) for ranks in topology.shard_groups()]
+        replica_groups = [new_group(ranks) for ranks in topology.replica_groups()]
+        controls = [new_group(ranks, backend="gloo") for ranks in topology.shard_groups()]
         comms = Collectives(device, shard_groups[topology.replica_rank], **options)
         comms._control = controls[topology.replica_rank]
         comms.replicas = Collectives(device, replica_groups[topology.shard_rank], **options)
         comms.world = world
     if topology.hpz_group_size is not None:
         # A group of one rank is still made (every rank makes every group), and gathers nothing (``local``).
-        hpz_groups = [dist.new_group(ranks) for ranks in topology.hpz_groups()]
+        hpz_groups = [new_group(ranks) for ranks in topology.hpz_groups()]
         comms.hpz = Collectives(device, hpz_groups[topology.hpz_group], **options)
     return comms
+
+
+# ----------------------------------------------------------------------------------------------- the end of a job
+
+
+@dataclass
+class _Started:
+    """What lightning_zero started in this process's ``torch.distributed`` (see [Note: tearing down at exit])."""
+
+    groups: list = field(default_factory=list)  # made by ``new_group``
+    world: bool = False  # the default group was initialized by a strategy's setup
+    failed: bool = False  # a run failed since: work may be left that no peer will complete
+    armed: bool = False  # the exit handler is registered
+
+
+_STARTED = _Started()
+
+
+def new_group(ranks: Sequence[int], backend: str | None = None) -> dist.ProcessGroup:
+    """``dist.new_group``, recorded to be destroyed at exit (see [Note: tearing down at exit]). Every rank must call
+    it, in the same order."""
+    group = dist.new_group(list(ranks), backend=backend)
+    _STARTED.groups.append(group)
+    _arm_teardown()
+    return group
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def started_world() -> None:
+    """The default process group was initialized by a strategy's setup (not by the user's script): destroy it at
+    exit."""
+    _STARTED.world = True
+    _arm_teardown()
+
+
+def run_failed() -> None:
+    """A run failed: leave the process groups to the interpreter's exit (destroying one would wait on collectives
+    that a failed peer never completes)."""
+    _STARTED.failed = True
+
+
+def _arm_teardown() -> None:
+    if not _STARTED.armed:
+        atexit.register(_tear_down)
+        _STARTED.armed = True
+
+
+def _tear_down() -> None:
+    """[Note: tearing down at exit] A script that never calls ``destroy_process_group`` leaves the process groups to
+    the interpreter's shutdown: gloo's worker threads then release what the last collectives held (tensors, whose
+    Python objects need the GIL to free) while the interpreter is being torn down, and a daemon thread blocked in a
+    store call wakes up into it; either can end the process with SIGABRT ("terminate called without an active
+    exception"), after training succeeded, and the launcher reports a failure (torchrun's agents on the other nodes
+    then wait at their exit barrier). Measured across 2 emulated nodes: 1 zero3 run in 7, no DDP run. Lightning's DDP
+    registers ``destroy_process_group`` at exit for NCCL; this does it for every backend, for what lightning_zero
+    started: the groups it made (control channels, shard, replica and hpZ groups), and the default group when a
+    strategy's setup initialized it (the user's own is the user's to destroy), while the interpreter is whole, so that
+    gloo's threads end and free everything first. After a failed run nothing is destroyed: a collective a failed peer
+    never completes would make the destructor wait (the watchdog ends such processes anyway)."""
+    if _STARTED.failed or not is_initialized():
+        return
+    if _STARTED.world:
+        dist.destroy_process_group()
+        return
+    for group in _STARTED.groups:
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # destroyed by the user meanwhile ("Invalid process group specified")
+            pass
 
 
 def _device_backends(group: dist.ProcessGroup | None) -> dict[str, str]:
