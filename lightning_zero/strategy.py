@@ -442,6 +442,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         try:
             if self._runtime is not None and not self._runtime.released:
                 self._runtime.release(torch.device("cpu"), gather=not self._failed)
+            if self._runtime is not None and not self._failed:  # after a failure a relay may wait on a dead peer
+                self._runtime.comms.close()
             module = self.lightning_module
             if module is not None and has_meta_tensors(module):
                 self.precision_plugin.teardown()

@@ -29,21 +29,23 @@ algorithm that runs it; ``Links`` holds the per-algorithm models:
 - ring (NCCL's reduce-scatter, all-gather and all-reduce, gloo's all-reduce): the group's ranks form a ring in group
   order and a rank sends everything it sends to the next member: ``(n-1)/n`` of the buffer for a reduce-scatter or
   an all-gather, ``2(n-1)/n`` for an all-reduce. All of it crosses if that member is on another node, none otherwise.
-- direct (the exchange gloo's reduce-scatter runs): a rank sends its segment (``1/n`` of the buffer) straight to
-  each other member; it crosses for each member on another node.
+- direct (the exchange gloo's reduce-scatter runs within a node, or with a rank a node): a rank sends its segment
+  (``1/n`` of the buffer) straight to each other member; it crosses for each member on another node.
+- node by node (gloo's all-gather and reduce-scatter over whole nodes of several ranks, ``Links.grid``; see
+  [Note: hierarchical collectives] in collectives.py): a rank sends one segment (``1/n`` of the buffer) to the rank
+  at its position on each other node, and nothing else across.
 - broadcast: on gloo a binomial tree (gloo/broadcast.cc): counted from the root, member ``v`` sends the tensor to
-  ``v + 2**i`` for every ``2**i > v`` inside the group; gloo's all-gather is one such broadcast per rank's row. On
-  NCCL a chain in group order from the root, each member but the last forwarding it to the next.
+  ``v + 2**i`` for every ``2**i > v`` inside the group; gloo's all-gather elsewhere is one such broadcast per rank's
+  row. On NCCL a chain in group order from the root, each member but the last forwarding it to the next.
 
-At 2 nodes x 2 ranks (node_size 2), flat ZeRO-3 on gloo sends ``2/3`` of its reduce-scatter bytes across (two of a
-rank's three peers are on the other node), and of an all-gather's four rows ``c = 2`` segments from ranks 0 and 2,
-``c = 3`` from ranks 1 and 3 (5/8 of the buffer on average; checked against the sockets by benchmarks/zeropp.py):
-per step ``b * ((2 + 2c) S_units + (2 + c) S_root)`` with ``S`` the elements of a rank's segment (``S = Psi/4``
-padded, the root unit gathered once a step). With ``shard_group_size=2`` nothing of the shard group crosses, only the
-replica all-reduce of the gradient shard (a ring of 2: the whole segment, ``Psi/2`` padded, to the other node):
-``b * Psi/2``. With ``hpz_group_size=2`` (flat), the units' backward gathers run inside each node (unit_state.py,
-[Note: hpZ's secondary shards]): ``b * ((2 + c) S_units + (2 + c) S_root)``. Small all-reduces (norm, flags) are
-counted too, by the ring model.
+At 2 nodes x 2 ranks (node_size 2), flat ZeRO-3 on gloo sends one segment across per reduce-scatter and per all-gather
+(a quarter of the buffer; checked against the sockets by benchmarks/zeropp.py and the link by
+tests/integration/test_emulated_nodes.py): per step ``b * (3 S_units + 2 S_root)`` with ``S`` the elements of a
+rank's segment (``S = Psi/4`` padded, the root unit gathered once a step). With ``shard_group_size=2`` nothing of
+the shard group crosses, only the replica all-reduce of the gradient shard (a ring of 2: the whole segment, ``Psi/2``
+padded, to the other node): ``b * Psi/2``. With ``hpz_group_size=2`` (flat), the units' backward gathers run inside
+each node (unit_state.py, [Note: hpZ's secondary shards]): ``b * (2 S_units + 2 S_root)``. Small all-reduces (norm,
+flags) are counted too, by the ring model.
 
 [Note: nodes from the launcher]
 Which ranks share a node is the launcher's to say: torchrun gives each rank ``LOCAL_WORLD_SIZE``, SLURM
@@ -213,6 +215,20 @@ class Links:
     members: tuple[int, ...]
     index: int
     node_size: int | None
+
+    @cached_property
+    def grid(self) -> tuple[int, int] | None:
+        """``(G, K)`` when the members are ``G > 1`` whole nodes of ``K > 1`` members each, node by node in group
+        order (group rank ``h K + j`` is member ``j`` of node ``h``): where gloo's gathers and reductions run node by
+        node (collectives.py, [Note: hierarchical collectives]); else ``None``."""
+        size, n = self.node_size, len(self.members)
+        if size is None or n < 4:
+            return None
+        nodes = [m // size for m in self.members]
+        k = nodes.count(nodes[0])
+        blocks = [nodes[i : i + k] for i in range(0, n, k)]
+        whole = n % k == 0 and all(len(set(b)) == 1 for b in blocks) and len({b[0] for b in blocks}) == len(blocks)
+        return (n // k, k) if whole and 1 < k < n else None
 
     def _crosses(self, peer: int) -> bool:
         size = self.node_size

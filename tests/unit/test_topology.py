@@ -142,3 +142,16 @@ def test_a_trainer_that_contradicts_the_launchers_nodes_is_refused_in_one_line()
     )
     with pytest.raises(ZeroConfigError, match=r"the launcher started a ragged layout \(LOCAL_WORLD_SIZE=3, world size 4"):
         launched_node_size({"LOCAL_WORLD_SIZE": "3"}, True, devices=1, num_nodes=4, world_size=4)
+
+
+@pytest.mark.parametrize(("members", "node_size", "grid"), [
+    ((0, 1, 2, 3), 2, (2, 2)),  # 2 nodes x 2: node by node
+    (tuple(range(6)), 3, (2, 3)),
+    ((0, 1, 4, 5), 2, (2, 2)),  # a subgroup of whole nodes
+    ((0, 1, 2, 3), 4, None),  # one node: nothing to save
+    ((0, 1, 2, 3), 1, None),  # a rank a node: each rank's row crosses anyway
+    ((0, 2, 1, 3), 2, None),  # not node by node in group order
+    ((0, 1, 2), 2, None),  # a partial node
+])
+def test_a_group_of_whole_nodes_is_a_grid(members, node_size: int, grid) -> None:
+    assert Links(members, 0, node_size).grid == grid
