@@ -23,7 +23,7 @@ lightning_zero, ``comm_stats.cross_group_bytes`` summed over the ranks, both per
 node sent per step over what the rate carries in a step (the mean of the two directions). Four single-threaded ranks
 time-slice two cores, so the steps' compute is twice a rank's own: the ratios, at one rate, are what compare.
 
-    python benchmarks/nodes.py                            # the table: 6 configurations x 3 rates (~15-25 min, as root)
+    python benchmarks/nodes.py --rounds 2                 # the table: 6 configurations x 3 rates, twice (~40 min, root)
     python benchmarks/nodes.py --rates 40 --configs zero3,fsdp2 --steps 3
     python benchmarks/nodes.py --report-only              # print the table of benchmarks/results/nodes.json
 
@@ -134,18 +134,36 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:.2f} MB"
 
 
+def merged(rows: list[dict]) -> dict[tuple[str, float], dict]:
+    """One row per configuration and rate: over ``--rounds``, the median step and the mean bytes and link use."""
+    by_key: dict[tuple[str, float], list[dict]] = {}
+    for row in rows:
+        by_key.setdefault((row["name"], row["rate"]), []).append(row)
+    out = {}
+    for key, group in by_key.items():
+        row = dict(group[0], step_s=statistics.median(r["step_s"] for r in group),
+                   step_s_rounds=[r["step_s"] for r in group],
+                   link_bytes=statistics.fmean(r["link_bytes"] for r in group),
+                   link_use=statistics.fmean(r["link_use"] for r in group))
+        if "stats_bytes" in row:
+            row["stats_bytes"] = statistics.fmean(r["stats_bytes"] for r in group)
+        out[key] = row
+    return out
+
+
 def render(results: dict) -> str:
     """The issue's table: flat zero3's seconds a step at each rate, every other row as a ratio to it at that rate;
     the bytes across a step (both directions, the link's counters and the strategy's) and the link's use."""
-    rows, rates = results["rows"], results["rates"]
-    at = {(r["name"], r["rate"]): r for r in rows}
+    rates = results["rates"]
+    at = merged(results["rows"])
     base = {rate: at.get(("zero3", rate)) for rate in rates}
     slowest = rates[-1]
     lines = [
         f"{results['started']}, `{results['command']}`: 2 emulated nodes x 2 CPU ranks (network namespaces, a veth "
         f"shaped with `tc tbf`, torchrun and gloo on the veth), the small GPT (fp32), {BATCH} x "
         f"{results['model']['seq_len']} tokens a rank and step; the median step of {results['steps']} after "
-        f"{results['warmup']} warm-up steps; commit {results.get('commit') or 'unknown'}. Flat zero3's row in "
+        f"{results['warmup']} warm-up steps (with {results.get('rounds', 1)} round(s) of every configuration, in "
+        f"alternating order, the median of the rounds); commit {results.get('commit') or 'unknown'}. Flat zero3's row in "
         "seconds a step, the others as a ratio to it at the same rate (below 1: faster). Bytes across: what both "
         "nodes sent on the link per step (TCP/IP headers included) and what the strategy counted "
         "(`comm_stats.cross_group_bytes`, all ranks); link use: bytes a node sent a step over what the rate carries "
@@ -217,6 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES), help="Mbit/s, comma list")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every configuration, in alternating order (a "
+                    "shared machine's load then weighs on each alike)")
     ap.add_argument("--quick", action="store_true", help="a tiny model (a check of the script, not a measurement)")
     ap.add_argument("--results", default=RESULTS)
     ap.add_argument("--workdir", default=os.path.join(ROOT, "bench_work", "nodes"))
@@ -245,11 +265,13 @@ def main(argv=None) -> int:
     os.makedirs(args.workdir, exist_ok=True)
     command = " ".join(["python benchmarks/nodes.py", *(argv if argv is not None else sys.argv[1:])])
     results = dict(started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=command, model=model,
-                   rates=rates, warmup=args.warmup, steps=args.steps, rows=[], failed=[], commit=zeropp._commit())
+                   rates=rates, warmup=args.warmup, steps=args.steps, rounds=args.rounds, rows=[], failed=[],
+                   commit=zeropp._commit())
     for rate in rates:
-        for name in names:
+        for round_, name in [(r, n) for r in range(args.rounds) for n in (names if r % 2 == 0 else names[::-1])]:
             try:
                 row = measure(by_name[name], rate, model, args.warmup, args.steps, args.workdir, args.timeout)
+                row["round"] = round_
             except (RuntimeError, KeyError, IndexError) as error:
                 print(f"[nodes] {error}", flush=True)
                 results["failed"].append(dict(name=name, rate=rate, error=str(error)[-600:]))

@@ -90,7 +90,7 @@ class Sizes:
 
 
 #: Of the model's bytes, the share a rank sends across nodes per all-gather at 2 nodes x 2: the gathers run node by
-#: node (collectives.py, [Note: hierarchical collectives]), each rank sending its quarter once, to the rank at its
+#: node (by_node.py, [Note: hierarchical collectives]), each rank sending its quarter once, to the rank at its
 #: position on the other node.
 AG_SHARE = 1 / WORLD
 #: The share a rank sends across per reduce-scatter: its node's partial sum of the other node's quarter at its position.
@@ -475,7 +475,7 @@ def render_bytes(part: dict) -> list[str]:
         f"root), fp32 (b = {s.b}), {BATCH} x {part['model']['seq_len']} tokens a rank and step; KiB a rank sends to "
         f"the other node per step, the mean over the 4 ranks of {part['steps']} steps after {part['warmup']} "
         f"warm-up steps; commit {part.get('commit') or 'unknown'}. `a`: the share of the bytes a rank sends across "
-        "per all-gather, 1/4 node by node (collectives.py, [Note: hierarchical collectives]).",
+        "per all-gather, 1/4 node by node (by_node.py, [Note: hierarchical collectives]).",
         "",
         "| configuration | gloo formula (a = 1/4) | formula | comm_stats | sockets | sockets vs comm_stats | sockets vs "
         "formula | all sent (sockets) | cross / ZeRO-3 | paper (ring) | step ms |",

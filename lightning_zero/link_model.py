@@ -4,7 +4,7 @@ given bandwidth, and whether hybrid sharding or ZeRO++'s options pay for themsel
 
 [Note: the link model]
 With ``G`` nodes of ``K`` ranks, an all-gather or reduce-scatter over all of them sends ``(G-1)/G`` of its buffer out
-of each node (node by node on gloo: collectives.py, [Note: hierarchical collectives]; NCCL's rings about the same).
+of each node (node by node on gloo: by_node.py, [Note: hierarchical collectives]; NCCL's rings about the same).
 Per step and node, with Ψ parameters, Ψ_t trainable, b bytes an element (``node_bytes``):
 
 - flat: zero3 gathers every parameter twice and reduces the gradients, ``(G-1)/G (2Ψ + Ψ_t) b``; zero1/zero2 reduce

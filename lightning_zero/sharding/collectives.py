@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.sharding import by_node
 from lightning_zero.sharding.flat_param import Bucket
 from lightning_zero.sharding.in_flight import (
     BucketGather,
@@ -199,8 +200,9 @@ class Collectives:
         self.stats = stats if stats is not None else CommStats()
         self._control: dist.ProcessGroup | None = None
         self._exchanges = 0
-        #: Issues the second stage of the collectives that run node by node (see [Note: hierarchical collectives]).
-        self._relays = Relays(f"lightning_zero-relays-{self.rank}")
+        #: Issues the second stage of the collectives that run node by node (see [Note: hierarchical collectives] in
+        #: by_node.py), and hybrid sharding's replica all-reduce on gloo (see [Note: hybrid sharding's collectives]).
+        self.relays = Relays(f"lightning_zero-relays-{self.rank}")
 
     def check(self, what: str, where: Tensor | torch.device) -> None:
         """Raise, naming ``what``, unless ``where`` (a tensor or a device) is this group's device."""
@@ -227,7 +229,8 @@ class Collectives:
     @cached_property
     def by_node(self) -> tuple[int, int] | None:
         """``(G, K)`` where this group's all-gathers and reduce-scatters run node by node, G nodes of K ranks (see
-        [Note: hierarchical collectives]): gloo with host tensors over several whole nodes of several ranks each."""
+        [Note: hierarchical collectives] in by_node.py): gloo with host tensors over several whole nodes of several
+        ranks each."""
         if self.native or self.local or self.device.type != "cpu":
             return None
         return self.links.grid
@@ -264,7 +267,7 @@ class Collectives:
             return Reduced(bucket=bucket, segment=out, works=[work], guard=guard, replicas=replicas,
                            held_bytes=out.numel() * out.element_size())
         if self.by_node is not None:
-            return self._reduce_scatter_by_node(bucket, buffer, guard, replicas)
+            return by_node.reduce_scatter(self, bucket, buffer, guard, replicas)
         if self.device.type != "cpu":  # gloo sends and receives host tensors only: reduce a device buffer whole
             work = dist.all_reduce(buffer, group=self.group, async_op=True)
             self.stats.record("reduce_scatter", logical, 2 * logical, self.links.ring(2 * logical))
@@ -275,42 +278,9 @@ class Collectives:
         segment, held = bucket.segment(buffer), received.numel() * received.element_size()
         if replicas is not None:  # the replica all-reduce, issued as soon as the segment is summed
             replicas.record_all_reduce(segment)
-            relayed = self._relays.after(works, partial(_sum_then_reduce, segment, received, replicas))
+            relayed = self.relays.after(works, partial(_sum_then_reduce, segment, received, replicas))
             return Reduced(bucket=bucket, segment=segment, works=[relayed], guard=guard, held_bytes=held)
         return Reduced(bucket=bucket, segment=segment, received=received, works=works, guard=guard, held_bytes=held)
-
-    def _reduce_scatter_by_node(
-        self, bucket: Bucket, buffer: Tensor, guard: Callable[[], None] | None, replicas: Collectives | None
-    ) -> Reduced:
-        """The reduce-scatter of a buffer already divided by the world, node by node (see [Note: hierarchical
-        collectives]): this rank sums the segments at its position of its node's ranks, then sends each other node its
-        partial sum of that node's segment, and adds theirs of its own."""
-        nodes, size = self.by_node
-        node, member = divmod(self.rank, size)
-        table = buffer.view(nodes, size, -1)
-        column = table[:, member]  # the segments at this rank's position: summed here, in place
-        mates = [j for j in range(size) if j != member]
-        others = [h for h in range(nodes) if h != node]
-        tag = self._next_tags(nodes + 1)
-        received = torch.empty(len(mates), nodes, column.shape[-1], dtype=buffer.dtype, device=buffer.device)
-        inside = [work for i, j in enumerate(mates) for h in range(nodes) for work in (
-            self._send(table[h, j], node * size + j, tag(h)), self._recv(received[i, h], node * size + j, tag(h)))]
-        partials = torch.empty(len(others), column.shape[-1], dtype=buffer.dtype, device=buffer.device)
-        inbound = [self._recv(partials[i], h * size + member, tag(nodes)) for i, h in enumerate(others)]
-
-        def across() -> list:  # once the node's copies are in: this rank's partial sums to the other nodes
-            for copy in received:  # in the order of the node's ranks
-                column.add_(copy)
-            return [self._send(column[h], h * size + member, tag(nodes)) for h in others]
-
-        nbytes = buffer.numel() * buffer.element_size()
-        logical = nbytes * (self.world_size - 1) / self.world_size
-        segment = nbytes // self.world_size
-        self.stats.record("reduce_scatter", logical, logical,
-                          self.links.to_peers(segment, [h * size + member for h in others]))
-        held = (received.numel() + partials.numel()) * buffer.element_size()
-        return Reduced(bucket=bucket, segment=column[node], received=partials, guard=guard, held_bytes=held,
-                       works=[*inbound, self._relays.after(inside, across)], replicas=replicas)
 
     def _swap_segments(self, table: Tensor, received: Tensor) -> list:
         """Send row ``p`` of ``table`` to group rank ``p`` and receive each other rank's row of this rank into
@@ -496,7 +466,7 @@ class Collectives:
         n = self.world_size
         nbytes = table.numel() * table.element_size()
         if self.by_node is not None:
-            return self._gather_rows_by_node(table, op)
+            return by_node.gather_rows(self, table, op)
         if self.native:
             cross = self.links.ring(nbytes * (n - 1) / n)
         else:  # one broadcast per row, each down gloo's tree from its rank
@@ -507,72 +477,26 @@ class Collectives:
             return [gather(table.view(-1), table[self.rank], group=self.group, async_op=True)]
         return [dist.broadcast(table[r], src=self.global_rank(r), group=self.group, async_op=True) for r in range(n)]
 
-    def _gather_rows_by_node(self, table: Tensor, op: str) -> list:
-        """[Note: hierarchical collectives] gloo's collectives do not know where the nodes are: its all-gather here
-        was one broadcast per rank down a binomial tree, which at 2 nodes x 2 sends 5/8 of the buffer across per rank
-        on average, and the reduce-scatter an exchange that sends a rank's copy of each segment straight to its owner,
-        half of the buffer across. Each node needs the other nodes' rows (all-gather), or their partial sums of its
-        rows (reduce-scatter), only once. So over G nodes of K ranks (``by_node``):
-
-        - all-gather: this rank sends its row to the ranks at its position on the other nodes (the only bytes that
-          cross: ``(G-1)`` rows) and to its node's other ranks; once the rows from the other nodes are in, it forwards
-          each to its node's other ranks, and receives theirs likewise.
-        - reduce-scatter: this rank sends each of its node's other ranks its copies of the segments at their position
-          (all G nodes' segments at that position), sums the copies of the segments at its own position it receives,
-          then sends each other node its partial sum of that node's segment (``(G-1)`` segments cross) and adds theirs
-          of its own segment, in the order of the nodes.
-
-        Per rank, ``(N-1)/N`` of the buffer leaves it either way, as a ring moves it, of which ``(G-1)/N`` crosses
-        nodes (at 2 x 2: a quarter, where the tree sent 5/8 and the exchange a half); the logical bytes in ``stats``
-        are unchanged, the cross-node bytes those of this algorithm. Measured across 2 emulated nodes of 2 ranks at
-        40 Mbit/s (benchmarks/nodes.py), flat zero3 sent 23.3 MB a step across the link before, FSDP2 flat 0.86x that.
-
-        The second stage (the forwards; the partial sums across) depends on the first, and is issued by ``Relays``'s
-        thread as soon as the first completes: were it issued when the caller waits, as qgZ's second stage is, the
-        link would stand idle until a reduction's result is needed. Point-to-point operations one by one (not
-        ``batch_isend_irecv``, whose coalescing state is global and not for two threads at once), each tagged from a
-        block fixed when the collective is issued, so that the thread that issues them does not change which
-        messages pair up. Host tensors only (gloo's point-to-point); NCCL's native collectives are untouched, and so
-        are groups inside one node (hybrid sharding's shard groups, hpZ's) or with one rank a node (replica
-        groups), where nothing would change."""
-        nodes, size = self.by_node
-        node, member = divmod(self.rank, size)
-        mates = [j for j in range(size) if j != member]
-        others = [h for h in range(nodes) if h != node]
-        tag = self._next_tags(nodes + 1)
-        own = table[self.rank]
-        works = [work for j in mates for work in (self._send(own, node * size + j, tag(node)),
-                                                   self._recv(table[node * size + j], node * size + j, tag(node)))]
-        across = [work for h in others for work in (self._send(own, h * size + member, tag(nodes)),
-                                                     self._recv(table[h * size + member], h * size + member, tag(nodes)))]
-        works += [self._recv(table[h * size + j], node * size + j, tag(h)) for h in others for j in mates]
-
-        def forward() -> list:  # the other nodes' rows at this rank's position, to the node's other ranks
-            return [self._send(table[h * size + member], node * size + j, tag(h)) for h in others for j in mates]
-
-        nbytes = table.numel() * table.element_size()
-        logical = nbytes * (self.world_size - 1) / self.world_size
-        self.stats.record(op, logical, logical,
-                          self.links.to_peers(nbytes / self.world_size, [h * size + member for h in others]))
-        return [*works, self._relays.after(across, forward)]
-
-    def _next_tags(self, count: int) -> Callable[[int], int]:
+    def next_tags(self, count: int) -> Callable[[int], int]:
         """``count`` tags for one collective's point-to-point messages, ``tag(i)`` for ``i < count``, none of them
         used by another exchange in flight (every rank counts them alike, so they agree)."""
         first = self._exchanges + 1
         self._exchanges += count
         return lambda i: (first + i) % _MAX_TAG
 
-    def _send(self, tensor: Tensor, peer: int, tag: int):
+    def send(self, tensor: Tensor, peer: int, tag: int):
+        """Send ``tensor`` to group rank ``peer`` (an async work): one message, not a batch (see [Note: hierarchical
+        collectives] in by_node.py)."""
         return dist.isend(tensor, self.global_rank(peer), self.group, tag)
 
-    def _recv(self, tensor: Tensor, peer: int, tag: int):
+    def recv(self, tensor: Tensor, peer: int, tag: int):
+        """Receive into ``tensor`` from group rank ``peer`` (an async work)."""
         return dist.irecv(tensor, self.global_rank(peer), self.group, tag)
 
     def close(self) -> None:
         """End the relay threads of this group and the groups beside it (a later collective starts them again)."""
         for comms in {id(c): c for c in (self, self.world, self.replicas, self.hpz) if c is not None}.values():
-            comms._relays.close()
+            comms.relays.close()
 
     # ----------------------------------------------------------------------------------------------- small tensors
 

@@ -213,7 +213,7 @@ class Relayed:
 
 
 class Relays:
-    """Second stages of two-stage collectives (collectives.py, [Note: hierarchical collectives]), issued as soon as
+    """Second stages of two-stage collectives (by_node.py, [Note: hierarchical collectives]), issued as soon as
     their first stage completes instead of when the caller waits, so that the link between nodes does not stand idle
     until then: a daemon thread takes them in the order given, waits for each first stage's works and runs its
     ``then``, which issues the second stage (point-to-point operations, whose tags the caller fixed when it issued the

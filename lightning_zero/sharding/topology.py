@@ -32,7 +32,7 @@ algorithm that runs it; ``Links`` holds the per-algorithm models:
 - direct (the exchange gloo's reduce-scatter runs within a node, or with a rank a node): a rank sends its segment
   (``1/n`` of the buffer) straight to each other member; it crosses for each member on another node.
 - node by node (gloo's all-gather and reduce-scatter over whole nodes of several ranks, ``Links.grid``; see
-  [Note: hierarchical collectives] in collectives.py): a rank sends one segment (``1/n`` of the buffer) to the rank
+  [Note: hierarchical collectives] in by_node.py): a rank sends one segment (``1/n`` of the buffer) to the rank
   at its position on each other node, and nothing else across.
 - broadcast: on gloo a binomial tree (gloo/broadcast.cc): counted from the root, member ``v`` sends the tensor to
   ``v + 2**i`` for every ``2**i > v`` inside the group; gloo's all-gather elsewhere is one such broadcast per rank's
@@ -220,7 +220,7 @@ class Links:
     def grid(self) -> tuple[int, int] | None:
         """``(G, K)`` when the members are ``G > 1`` whole nodes of ``K > 1`` members each, node by node in group
         order (group rank ``h K + j`` is member ``j`` of node ``h``): where gloo's gathers and reductions run node by
-        node (collectives.py, [Note: hierarchical collectives]); else ``None``."""
+        node (by_node.py, [Note: hierarchical collectives]); else ``None``."""
         size, n = self.node_size, len(self.members)
         if size is None or n < 4:
             return None

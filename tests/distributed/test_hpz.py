@@ -201,7 +201,7 @@ def _segment(shapes, n: int) -> int:
 def test_backward_gathers_stay_inside_the_node(ranks, case: str, b: int) -> None:
     """2 nodes x 2 on gloo. Each block's backward gather moves inside the node: a rank sends its row of the unit's
     storage (``4 S / 2`` elements, S a rank's segment of the blocks) to its one node peer, none of it across. Flat
-    zero3's backward gather, node by node (collectives.py, [Note: hierarchical collectives]), sent 3 segments (``3 S
+    zero3's backward gather, node by node (by_node.py, [Note: hierarchical collectives]), sent 3 segments (``3 S
     b``), one of them to the other node: hpZ's total is flat's less ``S b``, its cross-node bytes flat's less ``S b``,
     every step. Activation checkpointing's recomputation reuses the backward's gather."""
     for rank, out in enumerate(ranks):

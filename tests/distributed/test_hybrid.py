@@ -247,7 +247,7 @@ def _segment(shapes, n: int) -> int:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_cross_node_bytes_per_step_match_the_algorithm_model(ranks, stage: int) -> None:
     """2 nodes x 2 ranks, fp32 (b = 4), gloo. Flat: the reduce-scatters and all-gathers run node by node
-    (collectives.py, [Note: hierarchical collectives]): each sends one segment across per call, from every rank (its
+    (by_node.py, [Note: hierarchical collectives]): each sends one segment across per call, from every rank (its
     node's partial sum of the other node's segment at its position; its own segment); the norm's all-reduce (5
     floats, a ring 0-1-2-3) crosses from ranks 1 and 3. Hybrid: only the replica all-reduce of the gradient shard
     crosses (a ring of 2: the whole segment)."""

@@ -228,7 +228,7 @@ def test_with_activation_checkpointing_and_without_resharding_after_forward(rank
 
 
 def test_cross_node_bytes_count_the_payloads(ranks) -> None:
-    """Flat at 2 nodes x 2 on gloo: a gather runs node by node (collectives.py, [Note: hierarchical collectives]),
+    """Flat at 2 nodes x 2 on gloo: a gather runs node by node (by_node.py, [Note: hierarchical collectives]),
     each rank sending its own payload across once; so qwZ saves ``4 S - P`` across per gather (each block twice a
     step, the root once). Hybrid: the gathers stay inside the node, as unquantized."""
     blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
