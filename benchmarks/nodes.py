@@ -162,8 +162,8 @@ def render(results: dict) -> str:
         f"{results['started']}, `{results['command']}`: 2 emulated nodes x 2 CPU ranks (network namespaces, a veth "
         f"shaped with `tc tbf`, torchrun and gloo on the veth), the small GPT (fp32), {BATCH} x "
         f"{results['model']['seq_len']} tokens a rank and step; the median step of {results['steps']} after "
-        f"{results['warmup']} warm-up steps (with {results.get('rounds', 1)} round(s) of every configuration, in "
-        f"alternating order, the median of the rounds); commit {results.get('commit') or 'unknown'}. Flat zero3's row in "
+        f"{results['warmup']} warm-up steps{_rounds(results.get('rounds', 1))}; commit "
+        f"{results.get('commit') or 'unknown'}. Flat zero3's row in "
         "seconds a step, the others as a ratio to it at the same rate (below 1: faster). Bytes across: what both "
         "nodes sent on the link per step (TCP/IP headers included) and what the strategy counted "
         "(`comm_stats.cross_group_bytes`, all ranks); link use: bytes a node sent a step over what the rate carries "
@@ -199,6 +199,10 @@ def render(results: dict) -> str:
               for f in results.get("failed", [])]
     lines += ["", *goals(at, rates)]
     return "\n".join(lines)
+
+
+def _rounds(rounds: int) -> str:
+    return f", the median of {rounds} rounds of every configuration in alternating order" if rounds > 1 else ""
 
 
 def goals(at: dict, rates: list[float]) -> list[str]:
