@@ -89,13 +89,12 @@ class Sizes:
         return self.units + self.root
 
 
-#: Of the model's bytes, the share a rank sends across nodes per all-gather at 2 nodes x 2 (one broadcast per rank of
-#: its quarter down gloo's binomial tree: relative to the root, member i sends to i + 2^k for each 2^k > i, so the
-#: root sends to +1 and +2 and member +1 to +3), on average over the ranks: 2.5 quarters. topology.py's ``Links``
-#: counts the same tree per rank (see [Note: what the sockets show] in the report).
-AG_SHARE = 2.5 / WORLD
-#: The share a rank sends across per reduce-scatter (the exchange: its quarter to each of 2 peers across).
-RS_SHARE = 2 / WORLD
+#: Of the model's bytes, the share a rank sends across nodes per all-gather at 2 nodes x 2: the gathers run node by
+#: node (by_node.py, [Note: hierarchical collectives]), each rank sending its quarter once, to the rank at its
+#: position on the other node.
+AG_SHARE = 1 / WORLD
+#: The share a rank sends across per reduce-scatter: its node's partial sum of the other node's quarter at its position.
+RS_SHARE = 1 / WORLD
 
 
 def _zero12(s: Sizes, ag: float) -> float:
@@ -153,9 +152,9 @@ class Config:
 
 #: The configurations, in the order they run and print. hpZ and qgZ are one more entry each.
 CONFIGS = [
-    Config("zero1", "ZeRO-1 flat", "lz", dict(stage=1), "RS + AG: b Psi (1/2 + a)", _zero12, "2.0 Psi b"),
-    Config("zero2", "ZeRO-2 flat", "lz", dict(stage=2), "b Psi (1/2 + a)", _zero12, "2.0 Psi b"),
-    Config("zero3", "ZeRO-3 flat", "lz", dict(stage=3), "b (a (2 Psi_u + Psi_r) + Psi/2)", _zero3, "3.0 Psi b"),
+    Config("zero1", "ZeRO-1 flat", "lz", dict(stage=1), "RS + AG: b Psi (1/4 + a)", _zero12, "2.0 Psi b"),
+    Config("zero2", "ZeRO-2 flat", "lz", dict(stage=2), "b Psi (1/4 + a)", _zero12, "2.0 Psi b"),
+    Config("zero3", "ZeRO-3 flat", "lz", dict(stage=3), "b (a (2 Psi_u + Psi_r) + Psi/4)", _zero3, "3.0 Psi b"),
     Config("zero1_hybrid", "ZeRO-1 hybrid (shard_group_size=2)", "lz", dict(stage=1, shard_group_size=NODE),
            "b Psi/2: replica all-reduce of the shard", _replica_allreduce, "2 (R-1)/R Psi b / K"),
     Config("zero2_hybrid", "ZeRO-2 hybrid (shard_group_size=2)", "lz", dict(stage=2, shard_group_size=NODE),
@@ -163,12 +162,12 @@ CONFIGS = [
     Config("zero3_hybrid", "ZeRO-3 hybrid (shard_group_size=2)", "lz", dict(stage=3, shard_group_size=NODE),
            "b Psi/2", _replica_allreduce, "2 (R-1)/R Psi b / K"),
     Config("zero3_qwz", "ZeRO-3 flat + qwZ (quantize_weights)", "lz", dict(stage=3, quantize_weights=True),
-           "a (1 + 4/4096)(2 Psi_u + Psi_r) + b Psi/2", lambda s, ag: _zero3(s, ag, QWZ_BYTES), "(1 + 2/b) Psi b"),
+           "a (1 + 4/4096)(2 Psi_u + Psi_r) + b Psi/4", lambda s, ag: _zero3(s, ag, QWZ_BYTES), "(1 + 2/b) Psi b"),
     Config("zero3_hybrid_qwz", "ZeRO-3 hybrid + qwZ", "lz", dict(stage=3, shard_group_size=NODE,
                                                                   quantize_weights=True),
            "b Psi/2", _replica_allreduce, "2 (R-1)/R Psi b / K"),
     Config("zero3_hpz", "ZeRO-3 flat + hpZ (hpz_group_size=2)", "lz", dict(stage=3, hpz_group_size=NODE),
-           "b (a Psi + Psi/2)", _zero3_hpz, "2.0 Psi b"),
+           "b (a Psi + Psi/4)", _zero3_hpz, "2.0 Psi b"),
     Config("zero3_qgz", "ZeRO-3 flat + qgZ (quantize_grads=int4)", "lz", dict(stage=3, quantize_grads="int4"),
            "a b (2 Psi_u + Psi_r) + (1/2 + 4/4096) Psi/4",
            lambda s, ag: ag * s.b * (2 * s.units + s.root) + _qgz_reduce(s), "(2 + 1/(2b)) Psi b"),
@@ -202,8 +201,8 @@ CURVE_LR = 1e-3
 # ------------------------------------------------------------------------------------------------------ worker
 
 
-def _batches(model: dict, seed: int, rank: int, count: int):
-    """``count`` batches of BATCH windows for ``rank``: random offsets into the corpus, drawn from (seed, step,
+def _batches(model: dict, seed: int, rank: int, count: int, batch: int = BATCH):
+    """``count`` batches of ``batch`` windows for ``rank``: random offsets into the corpus, drawn from (seed, step,
     rank), so every configuration of one seed sees the same data."""
     import torch
 
@@ -214,7 +213,7 @@ def _batches(model: dict, seed: int, rank: int, count: int):
     out = []
     for step in range(count):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step * WORLD + rank)
-        starts = torch.randint(0, len(tokens) - seq - 1, (BATCH,), generator=g)
+        starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=g)
         windows = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
         out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
     return out
@@ -236,7 +235,11 @@ class _Marks:
 
         self.entries.append(time.perf_counter())
         if step in self.marked:
-            snap = dict(step=step, sockets=[s.as_dict() for s in own_sockets(os.getpid())])
+            link = _link_bytes()
+            if link is not None:  # on an emulated node (benchmarks/nodes.py): the link's counter, not the sockets
+                snap = dict(step=step, link=link)
+            else:
+                snap = dict(step=step, sockets=[s.as_dict() for s in own_sockets(os.getpid())])
             if stats is not None:
                 snap.update(cross=stats.cross_group_bytes, total=stats.total_bytes,
                             by_op={op: [s.calls, s.bytes, s.wire_bytes, s.cross_bytes]
@@ -245,26 +248,45 @@ class _Marks:
         self.exits.append(time.perf_counter())
 
 
+def _link_bytes() -> int | None:
+    """Bytes this node sent on the link to the other emulated node (tests/cluster.py), or None off such a node."""
+    path = os.environ.get("LZ_LINK_COUNTER")
+    if not path:
+        return None
+    with open(path) as f:
+        return int(f.read())
+
+
 def _run_lightning(config: Config, spec: dict, batches, marks: _Marks) -> int:
+    """lightning_zero (``kind="lz"``) or Lightning's DDP (``"ddp"``) through the Trainer. Under a launcher of several
+    nodes (benchmarks/nodes.py: torchrun on emulated nodes) the Trainer takes its nodes and the strategy reads them;
+    on one host the strategy counts the ranks as nodes of ``NODE``."""
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_zero import ZeroStrategy
     from lightning_zero.models import GPTConfig, LanguageModel
 
     class Window(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            marks.step_start(batch_idx, trainer.strategy.comm_stats)
+            marks.step_start(batch_idx, getattr(trainer.strategy, "comm_stats", None))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             marks.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
 
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))
     options = dict(config.options)
-    stage = options.pop("stage")
-    units = {"units": ("Block",)} if stage == 3 else {}
-    strategy = ZeroStrategy(stage, node_size=NODE, **units, **options)
+    if config.kind == "ddp":
+        strategy = DDPStrategy()
+    else:
+        stage = options.pop("stage")
+        units = {"units": ("Block",)} if stage == 3 else {}
+        nodes = {"node_size": NODE} if devices == WORLD else {}
+        strategy = ZeroStrategy(stage, **nodes, **units, **options)
     pl.seed_everything(spec["seed"], verbose=False)
     module = LanguageModel(GPTConfig(**spec["model"]), **spec["optimizer"])
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=WORLD, num_nodes=1, max_steps=len(batches),
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, num_nodes=WORLD // devices,
+                         max_steps=len(batches),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                          callbacks=[Window()])
@@ -318,10 +340,12 @@ def worker(spec: dict) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    config = next(c for c in CONFIGS if c.name == spec["config"])
-    batches = _batches(spec["model"], spec["seed"], rank, spec["steps_total"])
+    config = next((c for c in CONFIGS if c.name == spec["config"]), None)
+    if config is None:  # a configuration of another driver (benchmarks/nodes.py): its kind and options
+        config = Config(spec["config"], spec["config"], spec["kind"], spec["options"])
+    batches = _batches(spec["model"], spec["seed"], rank, spec["steps_total"], spec.get("batch", BATCH))
     marks = _Marks(tuple(spec["marked"]))
-    run = _run_lightning if config.kind == "lz" else _run_fsdp2
+    run = _run_fsdp2 if config.kind == "fsdp2" else _run_lightning
     n_params = run(config, spec, batches, marks)
     record = dict(rank=rank, pid=os.getpid(), n_params=n_params, entries=marks.entries, exits=marks.exits,
                   snapshots=marks.snapshots, losses=marks.losses)
@@ -451,9 +475,9 @@ def render_bytes(part: dict) -> list[str]:
         f"root), fp32 (b = {s.b}), {BATCH} x {part['model']['seq_len']} tokens a rank and step; KiB a rank sends to "
         f"the other node per step, the mean over the 4 ranks of {part['steps']} steps after {part['warmup']} "
         f"warm-up steps; commit {part.get('commit') or 'unknown'}. `a`: the share of the bytes a rank sends across "
-        "per all-gather, 5/8 on average down gloo's binomial-tree broadcasts (topology.py counts the tree per rank).",
+        "per all-gather, 1/4 node by node (by_node.py, [Note: hierarchical collectives]).",
         "",
-        "| configuration | gloo formula (a = 5/8) | formula | comm_stats | sockets | sockets vs comm_stats | sockets vs "
+        "| configuration | gloo formula (a = 1/4) | formula | comm_stats | sockets | sockets vs comm_stats | sockets vs "
         "formula | all sent (sockets) | cross / ZeRO-3 | paper (ring) | step ms |",
         "|---|---|--:|--:|--:|--:|--:|--:|--:|---|--:|",
     ]

@@ -14,6 +14,14 @@ Ranks started by re-running the command (Lightning's ``popen`` launcher) would e
 could choose differently from the launching process, which would hang the first collective. So the launching process
 chooses, and publishes its choice in the environment its ranks inherit (``shared_with_ranks``); ``choose`` in a rank
 finds it there (``AUTO_ENV``) and takes it as it is.
+
+[Note: strategy=auto between nodes]
+With ``num_nodes > 1`` and the link's bandwidth given (``link_gbps``), the option that fits is then laid out between
+the nodes by ``link_model.choose`` ([Note: the link model]): flat, hybrid sharding with one shard group a node (when
+its model states, those of a world of one node, fit the budget) or ZeRO++'s options (qwZ, hpZ and int4 qgZ on zero3;
+qgZ on zero1/zero2; with hpZ's secondary shards counted against the device budget), whichever makes the shortest
+modelled step, the least complex on a near tie. The model needs the step's compute: ``step_s`` given, or measured
+with ``measure: true`` (one thread, as the ranks run on a CPU). The settings travel to re-run ranks with the option.
 """
 
 from __future__ import annotations
@@ -25,10 +33,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from lightning_zero import estimate
+from lightning_zero import estimate, link_model
 from lightning_zero.config import SUPPORTED_STAGES
 
 if TYPE_CHECKING:
@@ -57,7 +65,13 @@ class AutoStrategy:
         bucket_mb, start_method: passed to the chosen strategy.
         measure: run one real step of the model on a tiny batch first (``step_measure.measure_step``) and choose from
             each option's whole peak per rank (``estimate.peak_estimate``: activations at the run's batch, gathered
-            units, buckets, the optimizer's workspace and, on CPU, the process itself), not from its model states.
+            units, buckets, the optimizer's workspace and, on CPU, the process itself), not from its model states;
+            it also times the step, for ``link_gbps``.
+        link_gbps: the bandwidth between two nodes, Gbit/s each way: with ``num_nodes > 1``, choose between flat
+            sharding, hybrid sharding and ZeRO++'s options by the link model (see [Note: strategy=auto between
+            nodes]); ``None``: flat sharding, the link not considered.
+        step_s: seconds a rank computes one step (forward and backward at the run's batch), for ``link_gbps``;
+            ``None``: from the step ``measure`` times.
     """
 
     budget_gb: float = 4.0
@@ -68,9 +82,15 @@ class AutoStrategy:
     bucket_mb: float = 25.0
     start_method: str = "popen"
     measure: bool = False
+    link_gbps: float | None = None
+    step_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_amount("budget_gb", self.budget_gb, "GiB", zero_allowed=False)
+        if self.link_gbps is not None:
+            _check_amount("link_gbps", self.link_gbps, "Gbit/s", zero_allowed=False)
+        if self.step_s is not None:
+            _check_amount("step_s", self.step_s, "seconds", zero_allowed=False)
         _check_amount("reserve_gb", self.reserve_gb, "GiB", zero_allowed=True)
         if self.host_budget_gb is not None:
             _check_amount("host_budget_gb", self.host_budget_gb, "GiB", zero_allowed=False)
@@ -84,10 +104,21 @@ class AutoStrategy:
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """The option ``strategy=auto`` runs, and why (``reason`` is None when a re-run rank took it from its parent)."""
+    """The option ``strategy=auto`` runs, and why (``reason`` is None when a re-run rank took it from its parent);
+    ``settings``: the strategy options the link model added (see [Note: strategy=auto between nodes])."""
 
     option: str
     reason: str | None
+    settings: tuple[tuple[str, object], ...] = ()
+
+    def encode(self) -> str:
+        """The choice as ``AUTO_ENV`` carries it: the option, then ``name=value`` per setting, space-separated."""
+        return " ".join([self.option, *(f"{k}={v}" for k, v in self.settings)])
+
+    @classmethod
+    def decode(cls, text: str) -> AutoChoice:
+        option, *pairs = text.split()
+        return cls(option, None, tuple((k, _setting(v)) for k, v in (pair.split("=", 1) for pair in pairs)))
 
 
 def choose(
@@ -107,7 +138,7 @@ def choose(
     """
     inherited = os.environ.get(AUTO_ENV)
     if inherited is not None:
-        return AutoChoice(inherited, None)
+        return AutoChoice.decode(inherited)
     if counts is None:
         raise AutoStrategyError(
             "strategy=auto needs the model's parameter count: the model has no parameter_counts()"
@@ -120,10 +151,11 @@ def choose(
     indexes = run_devices(accelerator, devices)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise AutoStrategyError(f"trainer.num_nodes={num_nodes!r} is invalid: it must be an int > 0")
+    budget = rank_budget(auto, accelerator, indexes)
     recommendation = estimate.recommend(
         counts.total,
         len(indexes) * num_nodes,
-        rank_budget(auto, accelerator, indexes),
+        budget,
         precision,
         auto.bucket_mb,
         counts.trainable,
@@ -132,7 +164,59 @@ def choose(
     )
     if recommendation.choice is None:
         raise AutoStrategyError(f"strategy=auto: {recommendation.explain()}")
-    return AutoChoice(recommendation.choice, recommendation.explain())
+    choice = AutoChoice(recommendation.choice, recommendation.explain())
+    if auto.link_gbps is None or num_nodes == 1:
+        return choice
+    return between_nodes(auto, recommendation, counts, precision, len(indexes), num_nodes, step)
+
+
+def between_nodes(
+    auto: AutoStrategy, recommendation: estimate.Recommendation, counts: ParameterCounts, precision: str,
+    per_node: int, num_nodes: int, step: estimate.PeakInputs | None,
+) -> AutoChoice:
+    """The recommended option, or a more sharded one of its tier that fits, laid out between the nodes by the link
+    model (see [Note: strategy=auto between nodes])."""
+    if auto.step_s is None and step is None:
+        raise AutoStrategyError(
+            "strategy.link_gbps needs the step's compute time: set strategy.measure=true (one step is timed) or "
+            "strategy.step_s (seconds a rank computes one step)"
+        )
+    compute_s = auto.step_s if auto.step_s is not None else step.measure.compute_s(step.batch)
+    ranks, budget, chosen = per_node * num_nodes, recommendation.budget, recommendation.choice
+    tier = estimate.LAYOUTS[chosen].offload_optimizer
+    candidates = [e.option for e in recommendation.estimates  # the choice, and the more sharded of its tier that fit
+                  if estimate.LAYOUTS[e.option].offload_optimizer == tier and budget.fits(e)
+                  and estimate.OPTIONS.index(e.option) >= estimate.OPTIONS.index(chosen)]
+    options = [laid for option in candidates for laid in link_model.link_options(
+        option, counts.total, counts.trainable, ranks, per_node, estimate.working_bytes(precision), auto.link_gbps,
+        compute_s, tuple(k for k in link_model.KINDS if _fits(k, option, counts, precision, per_node, ranks, budget,
+                                                              auto.bucket_mb, step)))]
+    best = link_model.choose(options)
+    why = "; ".join(o.describe() for o in options)
+    return AutoChoice(best.option, f"{recommendation.explain()}; between {num_nodes} nodes at {auto.link_gbps:g} "
+                      f"Gbit/s and {compute_s:.3g} s of compute a step, {best.option} {best.kind} makes the shortest "
+                      f"step ({why})", best.settings)
+
+
+def _fits(kind: str, option: str, counts: ParameterCounts, precision: str, per_node: int, ranks: int,
+          budget: estimate.Budget, bucket_mb: float, step: estimate.PeakInputs | None) -> bool:
+    """Whether ``option`` laid out as ``kind`` fits ``budget``: hybrid sharding holds what a world of one node holds;
+    ZeRO++'s hpZ (zero3) adds its secondary shards (``estimate.hpz_bytes``; in a measured peak, ``peak_estimate``'s
+    own count)."""
+    zero3 = estimate.LAYOUTS[option].stage == 3
+    if kind == "flat" or kind == "zero++" and not zero3:
+        return True
+    world = per_node if kind == "hybrid" else ranks
+    hpz = per_node if kind == "zero++" else None
+    e = estimate.estimate(option, counts.total, world, precision, bucket_mb, counts.trainable)
+    if step is not None:
+        peak = estimate.peak_estimate(option, counts.total, world, step.measure, step.batch, precision, bucket_mb,
+                                      counts.trainable, eager=step.eager, shared_host=budget.shared_host,
+                                      hpz_group_size=hpz)
+        e = estimate.with_peak(e, peak)
+    elif hpz is not None:
+        e = replace(e, workspace=estimate.hpz_bytes(counts.total, precision, hpz))
+    return budget.fits(e)
 
 
 def measured_step(
@@ -156,8 +240,9 @@ def measured_step(
     return estimate.PeakInputs(measure_step(config, vocab, seq_len, device), batch_size, eager=False)
 
 
-def build(option: str, auto: AutoStrategy) -> Any:
-    """The Lightning strategy for a chosen option, with ``auto``'s bucket size, start method and offload directory."""
+def build(option: str, auto: AutoStrategy, settings: tuple[tuple[str, object], ...] = ()) -> Any:
+    """The Lightning strategy for a chosen option, with ``auto``'s bucket size, start method and offload directory,
+    and the ``settings`` the link model added (``AutoChoice.settings``)."""
     if option == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -167,7 +252,7 @@ def build(option: str, auto: AutoStrategy) -> Any:
     options = estimate.LAYOUTS[option].strategy_options()
     if "disk" in options.values():
         options["offload_dir"] = auto.offload_dir
-    return ZeroStrategy(**options, bucket_mb=auto.bucket_mb, start_method=auto.start_method)
+    return ZeroStrategy(**options, **dict(settings), bucket_mb=auto.bucket_mb, start_method=auto.start_method)
 
 
 def available_options(offload: bool = True) -> tuple[str, ...]:
@@ -184,7 +269,7 @@ def shared_with_ranks(choice: AutoChoice | None) -> Iterator[None]:
     if choice is None or AUTO_ENV in os.environ:
         yield
         return
-    os.environ[AUTO_ENV] = choice.option
+    os.environ[AUTO_ENV] = choice.encode()
     try:
         yield
     finally:
@@ -300,6 +385,13 @@ def _on_cuda(accelerator: str) -> bool:
     import torch
 
     return accelerator in ("cuda", "gpu") or accelerator == "auto" and torch.cuda.is_available()
+
+
+def _setting(text: str) -> object:
+    """A setting's value as ``AutoChoice.encode`` wrote it: ``True``, an integer, or the text."""
+    if text in ("True", "False"):
+        return text == "True"
+    return int(text) if text.isdigit() else text
 
 
 def _check_amount(field: str, value: Any, unit: str, zero_allowed: bool) -> None:

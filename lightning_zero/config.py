@@ -190,6 +190,10 @@ class WatchdogConfig:
             )
 
 
+#: ``shard_group_size`` and ``hpz_group_size``: one group per node, as the launcher laid the nodes out.
+PER_NODE = "node"
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
     """Which ranks shard the model states together, and which share a host (see [Note: hybrid sharding] in
@@ -199,31 +203,36 @@ class TopologyConfig:
         shard_group_size: hybrid sharding (HSDP, MiCS): consecutive groups of this many ranks each shard parameters,
             gradients and optimizer states among themselves, and the groups hold replicas of one another (gradients
             reduce-scattered inside the group, then all-reduced across groups). It must divide the world size (checked
-            at setup). ``None`` (default) shards over every rank.
-        node_size: how many consecutive ranks share a host, for the accounting of the bytes that cross between hosts
-            (``comm_stats.cross_group_bytes``); ``None``: ``shard_group_size`` under hybrid sharding, else
-            ``hpz_group_size`` under hpZ, else the ranks Lightning's cluster environment starts on one host (its
-            devices per node). It must divide the world size.
+            at setup). ``"node"``: one group per node (``node_size``). ``None`` (default) shards over every rank.
+        node_size: how many consecutive ranks share a host (qgZ's two stages, the hierarchical collectives, the
+            accounting of the bytes that cross between hosts, ``comm_stats.cross_group_bytes``); ``None``: the ranks
+            per node of the launcher (``LOCAL_WORLD_SIZE`` under torchrun; the Trainer's devices where Lightning
+            starts the processes), checked against the Trainer's ``num_nodes``; on one node, a number given as
+            ``shard_group_size`` or ``hpz_group_size`` emulates nodes of that size. It must divide the world size, and
+            agree with a launcher that started several nodes (see [Note: nodes from the launcher] in
+            sharding/topology.py).
         hpz_group_size: ZeRO++'s hpZ (stage 3): after a unit's forward each rank keeps its ``1/K2`` slice of the
             unit's gathered working-dtype weights, shared among consecutive groups of this many ranks (normally one
             node), and the unit's backward all-gather runs inside that group from those slices, so none of it
             crosses nodes; costs ``Psi * b / K2`` bytes per rank from forward to backward (see [Note: hpZ's
             secondary shards] in sharding/unit_state.py). It must divide the shard group (``shard_group_size``, else
-            the world) and be smaller (checked at setup). The slices stay on the training device, with or without
-            offload (``offload_params`` too). ``None`` (default): off.
+            the world) and be smaller (checked at setup); ``"node"``: one group per node. The slices stay on the
+            training device, with or without offload (``offload_params`` too). ``None`` (default): off.
     """
 
-    shard_group_size: int | None = None
+    shard_group_size: int | str | None = None
     node_size: int | None = None
-    hpz_group_size: int | None = None
+    hpz_group_size: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("shard_group_size", "node_size", "hpz_group_size"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ZeroConfigError(
-                    f"{name}={value!r} is invalid: it must be an integer >= 1 that divides the world size, or null"
-                )
+            value, per_node = getattr(self, name), name != "node_size"
+            if value is None or (per_node and value == PER_NODE) or _is_count(value):
+                continue
+            named = f", {PER_NODE!r} (one group per node, as the launcher laid them out)" if per_node else ""
+            raise ZeroConfigError(
+                f"{name}={value!r} is invalid: it must be an integer >= 1 that divides the world size{named}, or null"
+            )
 
 
 OFFLOAD_TARGETS = ("cpu", "disk")
@@ -391,12 +400,22 @@ def _refuse_with_hpz(config: ZeroConfig) -> None:
         (config.stage != 3, f"needs stage=3 (it serves stage 3's backward all-gathers), got stage={config.stage}"),
         (not config.stage3.reshard_after_forward, "with reshard_after_forward=False has nothing to do: the units "
          "stay gathered from forward to backward; drop one of them"),
-        (group is not None and (hpz >= group or group % hpz), f"is invalid with shard_group_size={group}: it must "
-         "divide the shard group size and be smaller"),
+        (_numbers(group, hpz) and (hpz >= group or group % hpz), f"is invalid with shard_group_size={group}: it "
+         "must divide the shard group size and be smaller"),
+        (group == PER_NODE and hpz == PER_NODE, "is invalid with shard_group_size='node': hpZ's group must be smaller "
+         "than the shard group, which is the node"),
     ]
     for refused, why in refusals:
         if refused:
             raise ZeroConfigError(f"hpz_group_size={hpz!r} {why}")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _numbers(*values: object) -> bool:
+    return all(isinstance(v, int) for v in values)
 
 
 def _check_quantize_grads(quantize_grads: str | None, shard_group_size: int | None) -> None:

@@ -52,7 +52,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_zero import estimate
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import PER_NODE, ZeroConfig
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 
 _DDP_PRECISION = "32-true"  # DDP's figure is reported in fp32-Adam terms whatever the run's precision (16Ψ)
@@ -397,6 +397,8 @@ def _shard_group_size(strategy: pl.strategies.Strategy, world_size: int) -> int 
     """Hybrid sharding's group size when the strategy runs it (fewer ranks than the world), else ``None``."""
     config = getattr(strategy, "config", None)
     group = config.topology.shard_group_size if isinstance(config, ZeroConfig) else None
+    if group == PER_NODE:
+        group = strategy.topology().shard_group_size
     return group if group is not None and group < world_size else None
 
 
@@ -407,7 +409,9 @@ def _zeropp_options(strategy: pl.strategies.Strategy) -> dict[str, Any]:
     if not isinstance(config, ZeroConfig):
         return dict(quantize_weights=False, hpz_group_size=None, quantize_grads=None, node_size=None)
     quantize_grads = config.comm.quantize_grads
-    return dict(quantize_weights=config.stage3.quantize_weights, hpz_group_size=config.topology.hpz_group_size,
+    hpz = config.topology.hpz_group_size
+    return dict(quantize_weights=config.stage3.quantize_weights,
+                hpz_group_size=strategy.topology().hpz_group_size if hpz == PER_NODE else hpz,
                 quantize_grads=quantize_grads, node_size=strategy.topology().node_size if quantize_grads else None)
 
 

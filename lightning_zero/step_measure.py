@@ -45,9 +45,17 @@ class StepMeasure:
     root_unit_elements: int
     #: Bytes of one element of the model as built (its parameters' dtype: 4 for fp32).
     element_bytes: int = 4
+    #: Seconds of one forward and backward per sequence of the micro-batch (one thread on a CPU, as the ranks run;
+    #: the fastest of a few timings at the larger tiny batch): the link model's compute (see [Note: the link model]
+    #: in link_model.py).
+    seconds_per_sample: float = 0.0
 
     def activations(self, batch: int) -> int:
         return self.activation_fixed + batch * self.activation_per_sample
+
+    def compute_s(self, batch: int) -> float:
+        """Seconds a rank computes a step at ``batch`` sequences (the optimizer step left out)."""
+        return batch * self.seconds_per_sample
 
 
 @functools.lru_cache(maxsize=4)  # `lightning-zero train` builds its job twice (a check, then the run)
@@ -96,7 +104,31 @@ def _measure_in_this_process(
         rises.append(_peak(torch, on_cuda, device) - before)
     per_sample = max(0, rises[1] - rises[0])
     fixed = max(0, rises[0] - grad_bytes - per_sample)
-    return StepMeasure(baseline, per_sample, fixed, unit, root, element_bytes)
+    # Compute grows with the tokens: the larger tiny batch, per sequence (two timings this small do not resolve a
+    # fixed part, which came out negative as often as not).
+    seconds_per_sample = _fastest_step(torch, model, vocab_size, seq_len, BATCHES[-1], device) / BATCHES[-1]
+    return StepMeasure(baseline, per_sample, fixed, unit, root, element_bytes, seconds_per_sample)
+
+
+def _fastest_step(torch: Any, model: Any, vocab_size: int, seq_len: int, batch: int, device: str,
+                  repeats: int = 3) -> float:
+    """The fastest of ``repeats`` forwards and backwards at ``batch`` sequences, in seconds."""
+    import time
+
+    from lightning_zero.models.language_model import _next_token_loss
+
+    tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        _next_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def unit_elements(model_config: Any, units: tuple[str, ...] = ()) -> tuple[int, int]:

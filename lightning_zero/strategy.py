@@ -10,6 +10,7 @@ at setup to ``lightning_compat.py``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -48,7 +49,14 @@ from lightning_zero.memory import (
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
-from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
+from lightning_zero.sharding.collectives import (
+    Collectives,
+    CommStats,
+    is_initialized,
+    run_failed,
+    started_world,
+    topology_collectives,
+)
 from lightning_zero.sharding.materialize import (
     LoadsOnMeta,
     generator_state,
@@ -58,7 +66,7 @@ from lightning_zero.sharding.materialize import (
 )
 from lightning_zero.sharding.overlap import install_gate
 from lightning_zero.sharding.runtime import ZeroRuntime, sync_module_states
-from lightning_zero.sharding.topology import Topology
+from lightning_zero.sharding.topology import Topology, launched_node_size
 from lightning_zero.watchdog import Watchdog
 
 _START_METHODS = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
@@ -128,6 +136,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         #: ``load_state_dict`` on a model built under ``Trainer.init_module()`` (stage 3: on the meta device).
         self._meta_loads = LoadsOnMeta()
         self._failed = False
+        self._communicating = False
         self._watchdog: Watchdog | None = None
 
     @classmethod
@@ -187,14 +196,19 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        initialized = is_initialized()
         super().setup_environment()
+        if not initialized and is_initialized():  # Lightning's setup made it: destroyed at exit, as DDP's on NCCL
+            started_world()  # see [Note: tearing down at exit] in sharding/collectives.py
         settle_mkl_dispatch()  # before any optimizer step on the host (host_math.py)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._communicating = False
         refuse_unsupported(trainer, self.model, self.config)
         self.topology()  # a shard_group_size or node_size that does not divide the world fails here, on every rank
+        self._communicating = True  # from here on an error may leave collectives without a counterpart
         self._start_watchdog()
         self.accelerator.setup(trainer)
         if self.root_device.type == "cpu" and (self.config.stage == 3 or self.config.offload.offload_optimizer):
@@ -243,11 +257,15 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         self._failed = False
 
     def topology(self) -> Topology:
-        """Which ranks shard together and which share a host (see [Note: hybrid sharding] in sharding/topology.py);
-        raises, naming the option, unless ``shard_group_size`` and ``node_size`` divide the world size."""
+        """Which ranks shard together and which share a node (see [Note: hybrid sharding] and [Note: nodes from the
+        launcher] in sharding/topology.py); raises, naming the option, unless ``shard_group_size`` and ``node_size``
+        divide the world size, or when the launcher's nodes disagree with the Trainer's ``num_nodes``."""
         options = self.config.topology
+        environment = self.cluster_environment
+        external = environment is not None and environment.creates_processes_externally
+        host_ranks = launched_node_size(os.environ, external, self.num_processes, self.num_nodes, self.world_size)
         return Topology.make(self.world_size, self.global_rank, options.shard_group_size, options.node_size,
-                             host_ranks=self.num_processes, hpz_group_size=options.hpz_group_size)
+                             host_ranks=host_ranks, hpz_group_size=options.hpz_group_size)
 
     def _collectives(self) -> Collectives:
         """The runtime's collectives over the world; under hybrid sharding over the shard group (with hpZ, and its
@@ -449,6 +467,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        if self._communicating:  # not a refusal at the start of setup, which every rank raises before any collective
+            run_failed()
         if self._watchdog is not None:
             self._watchdog.on_exception(exception)
         super().on_exception(exception)
@@ -462,6 +482,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         try:
             if self._runtime is not None and not self._runtime.released:
                 self._runtime.release(torch.device("cpu"), gather=not self._failed)
+            if self._runtime is not None and not self._failed:  # after a failure a relay may wait on a dead peer
+                self._runtime.comms.close()
             module = self.lightning_module
             if module is not None and has_meta_tensors(module):
                 self.precision_plugin.teardown()

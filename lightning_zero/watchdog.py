@@ -9,10 +9,11 @@ one of four ways, all leading to one error that names the rank at fault:
 
 - A rank raises (any exception reaching Lightning): ``on_exception`` publishes ``rank r failed: <error>`` in the
   ``failure`` key (the first writer wins, so every rank reports the same root cause).
-- A rank dies (SIGKILL, out of memory, a crash): on gloo the survivors' next collective raises at once ("Connection
-  reset by peer", measured: 0.02 s, naming an address, not a rank). ``on_exception`` sees that the error is a
-  communication error and, for up to ``4 * heartbeat_s``, looks for the peer whose counter stopped, publishes it,
-  and adds a note (PEP 678) to the exception naming it. Lightning then re-raises the exception, note included.
+- A rank dies (SIGKILL, out of memory, a crash, a whole node killed): on gloo the survivors' next collective raises
+  at once ("Connection reset by peer", measured: 0.02 s, naming an address, not a rank). ``on_exception`` sees that
+  the error is a communication error and probes the peers (see [Note: probing the peers]): within ``PROBE_S`` it
+  knows which ranks no longer answer, publishes them, and adds a note (PEP 678) to the exception naming them.
+  Lightning then re-raises the exception, note included.
 - A rank or its machine goes silent without closing its connections (a node lost, a process stopped, the GIL held
   by C code): the survivors stay blocked in their collective; the thread sees the counter stand still for
   ``failure_timeout_s`` and publishes that.
@@ -31,6 +32,31 @@ received, teardown gets ``failure_timeout_s`` to finish before the same exit.
 
 Not covered: a rank whose training thread hangs while its heartbeat thread lives (a deadlock outside collectives, an
 endless loop) looks alive; the process-group timeout still ends its peers' collectives.
+
+[Note: a deadline on every store call]
+A store client's own timeout does not bound every call: across a network partition (tests/cluster.py) a rank's
+heartbeat thread sat in ``TCPStore.add`` 45 s past its 30 s timeout (the request is sent into the socket's buffer,
+and the reply is then awaited with no deadline until TCP itself gives up, minutes later), so the cut-off node's ranks
+never ended. So every store call the watchdog makes goes through ``_Calls``: a daemon thread with a connection of its
+own runs the calls one at a time, and the caller waits at most the call's deadline, then raises
+``StoreUnreachable`` (a ``DistError``, as the store's own failures), leaving the stuck call behind on that thread;
+calls queued behind a stuck one meet their own deadlines the same way. The heartbeat thread gives each call
+``failure_timeout_s``: a store silent that long is lost, as a silent peer is, and the process ends one heartbeat and
+the grace period later (a partition ends both sides within ``failure_timeout_s + heartbeat_s + grace_s``). The
+training thread, already failing, gives its calls ``4 * heartbeat_s`` (at least 5 s), ``stop`` ``heartbeat_s`` (at
+least 1 s).
+
+[Note: probing the peers]
+A peer that died is found by its counter standing still, which takes more than one heartbeat period to see (2 s by
+default) -- too slow when a whole node was killed and its peers should end as fast as DDP's do (in about a second).
+So each rank also runs a listener thread that waits in the store (``Store.wait``, which returns when the key is set:
+no polling) for its own wake key of the next probe, ``wake/<rank>/<g>``; when it is set, the listener adds 1 to the
+rank's counter at once, and waits for the next. A rank whose collective failed takes the next probe number ``g``
+(``add``), sets every rank's wake key of it in one request (``multi_set``), and reads the counters for ``PROBE_S``:
+the ranks whose counter did not move are dead or cut off (a live one answers in a round trip, milliseconds). Probing
+costs one request per rank probed, and nothing while no one fails; ``stop`` wakes its own listener to end it. The
+listener's wait is the one store call without a deadline: it blocks until a probe or ``stop`` (on a daemon thread,
+which the watchdog's exit does not wait for), and a store gone makes it return with an error, which ends it.
 """
 
 from __future__ import annotations
@@ -38,6 +64,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import queue
 import sys
 import threading
 import time
@@ -53,6 +80,14 @@ EXIT_CODE = 69
 _DONE = 1 << 40
 #: One namespace per watchdog started in this process: every rank starts them in the same order (one per fit).
 _GENERATIONS = itertools.count()
+#: How long a rank whose collective failed waits for its peers to answer a probe (see [Note: probing the peers]).
+PROBE_S = 0.5
+#: How long the listener waits for a probe in one call (it waits again after): effectively until a probe or ``stop``.
+_LISTEN = timedelta(days=1)
+
+
+class StoreUnreachable(dist.DistError):
+    """A store call did not complete within its deadline (see [Note: a deadline on every store call])."""
 
 
 class PeerFailure(RuntimeError):
@@ -97,18 +132,22 @@ class Watchdog:
         self.grace_s = max(1.0, 2 * heartbeat_s) if grace_s is None else grace_s
         self.store_in_rank0 = store_in_rank0
         prefix = f"lightning_zero/watchdog/{next(_GENERATIONS) if namespace is None else namespace}/"
+        self._prefix = prefix
         self._beats = [f"{prefix}beat/{r}" for r in range(world_size)]
         self._failure_key = f"{prefix}failure"
-        # One client connection per thread (``Store.clone``), each with its own timeout: the heartbeat thread's is the
-        # failure timeout (a store silent that long is lost), the training thread's is short (it is already failing).
-        self._store = _client(store, failure_timeout_s)
-        self._main_store = _client(store, max(5.0, 4 * heartbeat_s))
+        # Deadlines (see [Note: a deadline on every store call]): the heartbeat thread's calls get the failure
+        # timeout (a store silent that long is lost); the training thread's, already failing, a short one.
+        self._calls = _Calls(store, f"lightning_zero-watchdog-store-{rank}")
+        self._slow_s, self._quick_s = failure_timeout_s, max(5.0, 4 * heartbeat_s)
+        self._waker = _client(store, None)  # the listener's own connection: it blocks in ``wait``
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._acknowledged = threading.Event()  # the training thread is handling an exception
         self._delivered = threading.Event()  # it received the watchdog's own
         self._target: int | None = None
         self._thread: threading.Thread | None = None
+        self._listener: threading.Thread | None = None
+        self._next_probe = 1  # the probe the listener waits for
         self.verdict: PeerFailure | None = None
 
     @classmethod
@@ -126,11 +165,14 @@ class Watchdog:
     # ------------------------------------------------------------------------------------- the training thread
 
     def start(self) -> None:
-        """Beat once, then check every ``heartbeat_s`` in a daemon thread; errors go to the calling thread."""
+        """Beat once, then check every ``heartbeat_s`` in a daemon thread and answer probes in another; errors go to
+        the calling thread."""
         self._target = threading.get_ident()
-        self._store.add(self._beats[self.rank], 1)
+        self._calls(self._slow_s, "add", self._beats[self.rank], 1)
         self._thread = threading.Thread(target=self._run, name=f"lightning_zero-watchdog-{self.rank}", daemon=True)
         self._thread.start()
+        self._listener = threading.Thread(target=self._listen, name=f"lightning_zero-probes-{self.rank}", daemon=True)
+        self._listener.start()
 
     def on_exception(self, exception: BaseException) -> None:
         """The training thread failed: publish this rank as the root cause, or, if the error only reflects a peer's
@@ -142,42 +184,48 @@ class Watchdog:
         if isinstance(exception, PeerFailure):
             return
         try:
-            cause = self._read_failure(self._main_store)
+            cause = self._read_failure(self._quick_s)
             if cause is None and _is_communication_error(exception):
-                cause = self._find_silent_peer()
+                cause = self._probe()
             if cause is None:
-                self._publish(self._main_store, self.rank, f"failed: {_describe(exception)}")
+                self._publish(self._quick_s, self.rank, f"failed: {_describe(exception)}")
                 return
-            self._publish(self._main_store, cause.rank, cause.reason)
+            self._publish(self._quick_s, cause.rank, cause.reason)
         except dist.DistError as err:  # the store itself is gone, and with it the rank hosting it
             cause = self._store_lost(err)
         if cause.rank != self.rank:
             _add_note(exception, f"lightning_zero watchdog (rank {self.rank}): {cause}; this error is a consequence")
 
     def stop(self) -> None:
-        """Stop the thread and tell the peers that this rank ended cleanly (not silent). Idempotent."""
+        """Stop the threads and tell the peers that this rank ended cleanly (not silent). Idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
+        deadline = max(1.0, self.heartbeat_s)
         try:
-            self._main_store.add(self._beats[self.rank], _DONE)
+            self._calls(deadline, "add", self._beats[self.rank], _DONE)
+            probe = self._next_probe  # the listener's next probe, or the one after (see [Note: probing the peers])
+            self._calls(deadline, "multi_set", [self._wake_key(self.rank, g) for g in (probe, probe + 1)], ["", ""])
         except dist.DistError:
             pass  # the store is gone: nobody is left to misread the silence
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.heartbeat_s)
+        for thread in (self._thread, self._listener):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=2 * self.heartbeat_s)
+        self._calls.close()
 
-    # ---------------------------------------------------------------------------------------- the daemon thread
+    # ---------------------------------------------------------------------------------------- the daemon threads
 
     def _run(self) -> None:
         seen = [0] * self.world_size
         moved = [time.monotonic()] * self.world_size
         while not self._stopping.wait(self.heartbeat_s):
+            reachable = True
             try:
-                self._store.add(self._beats[self.rank], 1)
-                verdict = self._read_failure(self._store)
-                beats = self._read_beats(self._store)
+                self._calls(self._slow_s, "add", self._beats[self.rank], 1)
+                verdict = self._read_failure(self._slow_s)
+                beats = self._read_beats(self._slow_s)
             except dist.DistError as err:
-                verdict, beats = self._store_lost(err), seen
+                verdict, beats, reachable = self._store_lost(err), seen, False
             now = time.monotonic()
             for r, beat in enumerate(beats):
                 if beat != seen[r]:
@@ -185,7 +233,24 @@ class Watchdog:
             if verdict is None or verdict.rank == self.rank:
                 verdict = self._silent(seen, moved, now, self.failure_timeout_s)
             if verdict is not None and not self._acknowledged.is_set():
-                self._fail(verdict)
+                self._fail(verdict, publish=reachable)
+                return
+
+    def _listen(self) -> None:
+        """Answer each probe by beating at once, until ``stop`` (see [Note: probing the peers])."""
+        while True:
+            try:
+                self._waker.wait([self._wake_key(self.rank, self._next_probe)], _LISTEN)
+            except dist.DistError as err:
+                if "timeout" in str(err).lower() and not self._stopping.is_set():
+                    continue
+                return  # the store is gone (the heartbeat thread reports it) or this rank is stopping
+            if self._stopping.is_set():
+                return
+            self._next_probe += 1
+            try:
+                self._calls(self._slow_s, "add", self._beats[self.rank], 1)
+            except dist.DistError:
                 return
 
     def _silent(self, seen: list[int], moved: list[float], now: float, limit: float) -> PeerFailure | None:
@@ -198,10 +263,12 @@ class Watchdog:
                 )
         return None
 
-    def _fail(self, verdict: PeerFailure) -> None:
-        """Make the training thread raise ``verdict``; end the process if it cannot (blocked in a collective)."""
+    def _fail(self, verdict: PeerFailure, publish: bool) -> None:
+        """Make the training thread raise ``verdict`` (first published, where the store is ``publish``-able); end the
+        process if it cannot (blocked in a collective)."""
         try:
-            self._publish(self._store, verdict.rank, verdict.reason)
+            if publish:
+                self._publish(max(1.0, self.heartbeat_s), verdict.rank, verdict.reason)
         except dist.DistError:
             pass
         with self._lock:
@@ -217,45 +284,48 @@ class Watchdog:
 
     # ---------------------------------------------------------------------------------------------- the store
 
-    def _read_failure(self, store: dist.Store) -> PeerFailure | None:
-        if not store.check([self._failure_key]):
+    def _read_failure(self, deadline_s: float) -> PeerFailure | None:
+        if not self._calls(deadline_s, "check", [self._failure_key]):
             return None
-        rank, _, reason = store.get(self._failure_key).decode().partition("\t")
+        rank, _, reason = self._calls(deadline_s, "get", self._failure_key).decode().partition("\t")
         return PeerFailure(int(rank) if rank else None, reason)
 
-    def _read_beats(self, store: dist.Store) -> list[int]:
+    def _read_beats(self, deadline_s: float) -> list[int]:
         """Every rank's counter: one request once all exist; until then (ranks starting) key by key, 0 if absent."""
-        if store.check(self._beats):
-            return [int(v) for v in store.multi_get(self._beats)]
-        return [int(store.get(k)) if store.check([k]) else 0 for k in self._beats]
+        if self._calls(deadline_s, "check", self._beats):
+            return [int(v) for v in self._calls(deadline_s, "multi_get", self._beats)]
+        return [int(self._calls(deadline_s, "get", k)) if self._calls(deadline_s, "check", [k]) else 0
+                for k in self._beats]
 
-    def _publish(self, store: dist.Store, rank: int | None, reason: str) -> None:
+    def _publish(self, deadline_s: float, rank: int | None, reason: str) -> None:
         """Record the root cause unless one already is (the first failure is the one every rank reports)."""
-        store.compare_set(self._failure_key, "", f"{'' if rank is None else rank}\t{reason}")
+        self._calls(deadline_s, "compare_set", self._failure_key, "", f"{'' if rank is None else rank}\t{reason}")
 
-    def _find_silent_peer(self) -> PeerFailure | None:
-        """After a communication error: the published cause, or the peer whose counter stopped, within
-        ``4 * heartbeat_s`` (a live peer beats every ``heartbeat_s``: one silent for two periods is taken for dead).
-        The counters are read once more after the window, however late this thread woke (a loaded machine can
-        oversleep the whole window in one sleep)."""
+    def _wake_key(self, rank: int, probe: int) -> str:
+        return f"{self._prefix}wake/{rank}/{probe}"
+
+    def _probe(self) -> PeerFailure | None:
+        """After a communication error: the published cause, or the peers that do not answer a probe within
+        ``PROBE_S`` (see [Note: probing the peers]); ``None`` if every peer answered."""
+        before = self._read_beats(self._quick_s)
+        probe = self._calls(self._quick_s, "add", f"{self._prefix}probes", 1)
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        self._calls(self._quick_s, "multi_set", [self._wake_key(r, probe) for r in peers], [""] * len(peers))
         started = time.monotonic()
-        seen = self._read_beats(self._main_store)
-        moved = [started] * self.world_size
         while True:
-            time.sleep(self.heartbeat_s / 4)
-            cause = self._read_failure(self._main_store)
+            time.sleep(PROBE_S / 10)
+            cause = self._read_failure(self._quick_s)
             if cause is not None:
                 return cause
-            now = time.monotonic()
-            for r, beat in enumerate(self._read_beats(self._main_store)):
-                if beat != seen[r]:
-                    seen[r], moved[r] = beat, now
-            silent = self._silent(seen, moved, now, 2 * self.heartbeat_s)
-            if silent is not None:
-                return PeerFailure(silent.rank, f"stopped sending heartbeats (silent {now - moved[silent.rank]:.1f} s "
-                                   "after this rank's collective failed): it died or its machine is unreachable")
-            if now - started >= 4 * self.heartbeat_s:
+            beats = self._read_beats(self._quick_s)
+            silent = [r for r in peers if beats[r] == before[r] and beats[r] < _DONE]
+            waited = time.monotonic() - started
+            if not silent:
                 return None
+            if waited >= PROBE_S:
+                others = f" (as did rank{'s' if len(silent) > 2 else ''} {_ranks(silent[1:])})" if silent[1:] else ""
+                return PeerFailure(silent[0], f"did not answer a probe within {waited:.1f} s after this rank's "
+                                   f"collective failed{others}: it died or its machine is unreachable")
 
     def _store_lost(self, err: BaseException) -> PeerFailure:
         if self.store_in_rank0:
@@ -265,14 +335,54 @@ class Watchdog:
                            f"({_describe(err)}): that node is probably gone")
 
 
-def _client(store: dist.Store, timeout_s: float) -> dist.Store:
-    """A connection of its own to ``store`` (``Store.clone``), with its own timeout; where a torch build lacks
-    ``clone``, the shared client, whose timeout is left alone."""
+def _client(store: dist.Store, timeout_s: float | None) -> dist.Store:
+    """A connection of its own to ``store`` (``Store.clone``), with its own timeout (``None``: the store's); where
+    a store lacks ``clone`` (in-memory stores), the shared client, whose timeout is left alone."""
     if not hasattr(store, "clone"):
         return store
     client = store.clone()
-    client.set_timeout(timedelta(seconds=timeout_s))
+    if timeout_s is not None:
+        client.set_timeout(timedelta(seconds=timeout_s))
     return client
+
+
+class _Calls:
+    """Store calls with deadlines (see [Note: a deadline on every store call]): run one at a time by a daemon thread on
+    a connection of its own; ``calls(deadline_s, method, *args)`` returns the result or raises the store's error, or
+    ``StoreUnreachable`` once ``deadline_s`` has passed."""
+
+    def __init__(self, store: dist.Store, name: str) -> None:
+        self._store = _client(store, None)
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def __call__(self, deadline_s: float, method: str, *args: Any) -> Any:
+        done, result = threading.Event(), []
+        self._requests.put((method, args, result, done))
+        if not done.wait(deadline_s):
+            raise StoreUnreachable(f"the store did not answer {method} within {deadline_s:g} s")
+        value, error = result
+        if error is not None:
+            raise error
+        return value
+
+    def close(self) -> None:
+        """End the thread once the calls queued before have run (at once if none is stuck)."""
+        self._requests.put(None)
+
+    def _serve(self) -> None:
+        while (request := self._requests.get()) is not None:
+            method, args, result, done = request
+            try:
+                result.extend((getattr(self._store, method)(*args), None))
+            except Exception as err:  # handed to the caller, which raises it
+                result.extend((None, err))
+            done.set()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
 
 
 def _wait_any(*events: threading.Event, timeout: float) -> bool:

@@ -556,6 +556,8 @@ def render(results: dict, summary: dict, plot_rel: str | None, out_dir: str | No
         lines += limit_section()
     if os.path.exists(ZEROPP_RESULTS) and not results.get("quick"):
         lines += zeropp_section(out_dir)
+    if os.path.exists(NODES_RESULTS) and not results.get("quick"):
+        lines += nodes_section()
     if os.path.exists(FINDINGS) and not results.get("quick"):
         with open(FINDINGS) as f:
             lines += [f.read().rstrip(), ""]
@@ -619,6 +621,27 @@ def zeropp_section(out_dir: str) -> list[str]:
             "against two seeds of the unquantized run. Its own runs, separate from the timings above (re-run "
             "`benchmarks/zeropp.py` and `benchmarks/zeropp.py --curves`, then `compare.py --report-only "
             "benchmarks/results/full.json`).", "", render(results, png_rel).rstrip(), ""]
+
+
+NODES_RESULTS = os.path.join(HERE, "results", "nodes.json")
+
+
+def nodes_section() -> list[str]:
+    """The last ``benchmarks/nodes.py`` run (two emulated nodes at three link rates), rendered by ``nodes.render``."""
+    import json
+
+    from nodes import render
+
+    with open(NODES_RESULTS) as f:
+        results = json.load(f)
+    return ["## Two emulated nodes: step time at three link rates (`benchmarks/nodes.py`)", "",
+            "Two network namespaces joined by a veth shaped with `tc tbf`, a real `torchrun --nnodes 2 "
+            "--nproc-per-node 2` in each, gloo on the veth (tests/cluster.py); every configuration run on fresh "
+            "nodes, side by side with FSDP2 flat and HSDP and Lightning DDP in the same run. The rates match the "
+            "compute per byte across the link of real clusters (40 Mbit/s: an H100 node with 400 Gbit/s; 10 Mbit/s: "
+            "the ZeRO++ paper's 100 Gbit/s cluster). Its own run, separate from the timings above (re-run "
+            "`benchmarks/nodes.py` as root on an idle machine, then `compare.py --report-only "
+            "benchmarks/results/full.json`).", "", render(results).rstrip(), ""]
 
 
 GPU_RESULTS = os.path.join(HERE, "results", "gpu.json")

@@ -77,6 +77,17 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
         "smaller); with --measure, zero3's peak counts them"
     )
     parser.add_argument(
+        "--link-gbps", type=float, default=None, help="the bandwidth between two nodes, Gbit/s each way (with "
+        "--ranks-per-node below --ranks): per option, the bytes a node sends across per step with flat sharding, "
+        "hybrid sharding (one shard group a node) and ZeRO++'s options, the seconds the link takes for them and the "
+        "modelled step, and which layout makes the shortest (the link model of strategy=auto's link_gbps); needs "
+        "the step's compute: --step-s, or --measure"
+    )
+    parser.add_argument(
+        "--step-s", type=float, default=None, help="with --link-gbps: seconds a rank computes one step (forward and "
+        "backward); default with --measure: the measured step at --batch-size"
+    )
+    parser.add_argument(
         "--measure",
         action="store_true",
         help="with --model or --recipe: run one real step of the model on a tiny batch (in a fresh process, on this "
@@ -143,6 +154,8 @@ def estimate_command(args: argparse.Namespace) -> int:
         print("\n" + format_qgz(trainable, ranks, args.ranks_per_node or ranks, args.precision, args.quantize_grads))
     if peaks is not None:
         print("\n" + format_peaks(peaks, peak))
+    if args.link_gbps is not None:
+        print("\n" + format_link(args, total, trainable, world, peak, recommendation))
     if recommendation is None:
         print("\nno budget given (--budget-gb) and no GPU: no recommendation")
     else:
@@ -244,6 +257,40 @@ def format_qgz(trainable: int, ranks: int, node_size: int, precision: str, quant
             f"sends per rank and step {fmt(inside)} inside its node (int8) and {fmt(across)} across nodes "
             f"({quantize_grads}; {fmt(full)} in "
             f"all unquantized, {precision})")
+
+
+def format_link(args: argparse.Namespace, total: int, trainable: int, ranks: int, peak: estimate.PeakInputs | None,
+                recommendation: estimate.Recommendation | None) -> str:
+    """Between nodes (``link_model``): each in-device option laid out flat, hybrid (one shard group a node) and with
+    ZeRO++'s options, with the bytes a node sends across per step, the link's seconds and the modelled step; the
+    shortest (the least complex on a near tie) among the options that fit the budget, if one was given."""
+    from lightning_zero import link_model
+
+    node = args.ranks_per_node
+    if node is None or node >= ranks:
+        raise UsageError(f"--link-gbps needs several nodes: give --ranks-per-node below --ranks={ranks}")
+    compute_s = args.step_s if args.step_s is not None else peak.measure.compute_s(peak.batch) if peak else None
+    if compute_s is None:
+        raise UsageError("--link-gbps needs the step's compute time: give --step-s, or --measure with --model")
+    fits = {e.option for e in recommendation.estimates if recommendation.budget.fits(e)} if recommendation else None
+    try:
+        rows = [row for option in estimate.IN_DEVICE_OPTIONS for row in link_model.link_options(
+            option, total, trainable, ranks, node, estimate.working_bytes(args.precision), args.link_gbps, compute_s)]
+    except estimate.EstimateError as err:
+        raise UsageError(str(err)) from None
+    lines = [f"between {ranks // node} nodes of {node} ranks at {args.link_gbps:g} Gbit/s each way, {compute_s:.3g} s "
+             f"of compute a step ({args.precision}; the link model: lightning_zero/link_model.py):", "",
+             f"{'option':<10}{'layout':<9}{'across a node':>15}{'link s':>10}{'step s':>10}  settings"]
+    for row in rows:
+        settings = ", ".join(f"{k}={v!r}" for k, v in row.settings)
+        lines.append(f"{row.option:<10}{row.kind:<9}{row.node_bytes / 1e6:>12,.2f} MB{row.link_s:>10.3f}"
+                     f"{row.step_s:>10.3f}  {settings}")
+    candidates = [row for row in rows if fits is None or row.option in fits]
+    if candidates:
+        best = link_model.choose(candidates)
+        fitting = "" if fits is None else " among the options that fit the budget"
+        lines += ["", f"between nodes{fitting}: {best.option} {best.kind} makes the shortest step"]
+    return "\n".join(lines)
 
 
 def format_peaks(peaks: list, inputs: estimate.PeakInputs) -> str:

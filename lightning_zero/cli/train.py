@@ -195,7 +195,7 @@ def _build_job(cfg: Any) -> Job:
         step = auto.measured_step(strategy, model, int(cfg.data.batch_size), int(cfg.seq_len),
                                   str(cfg.trainer.get("accelerator", "auto")))
         choice = _choose(strategy, counts, cfg.trainer, precision, step)
-        strategy = auto.build(choice.option, strategy)
+        strategy = auto.build(choice.option, strategy, choice.settings)
     check_before_launch(cfg, strategy, model)
     return Job(
         strategy=strategy,

@@ -1,12 +1,15 @@
 """What a collective hands back while it runs, and the memory bucket collectives run in: the handles ``Issued``
 returns (``Gathered``, ``QuantizedGathered``, ``Reduced``, ``QuantizedReduced``, ``Exchanged``), each completed by its
 ``wait()``; ``InFlight``, the one queue that completes launched bucket collectives in order while bounding how many
-that hold memory are pending; and ``BufferPool``, the bucket buffers kept between collectives. Nothing here issues a
+that hold memory are pending; ``Relays``, the thread that issues the second stage of a two-stage collective as soon as
+its first completes; and ``BufferPool``, the bucket buffers kept between collectives. Nothing here issues a
 collective: collectives.py does, and makes these.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,6 +192,64 @@ class Exchanged(Issued):
     def wait(self) -> list[list[int]]:
         self._complete()
         return [t.tolist() for t in self.tensors]
+
+
+@dataclass(eq=False)
+class Relayed:
+    """The second stage of a two-stage collective, waited as a work is: once ``Relays`` has waited for the first stage
+    and issued the second (``works``), the second's works; an error of either is raised here."""
+
+    works: list = field(default_factory=list)
+    error: BaseException | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self) -> None:
+        while not self.ready.wait(0.5):  # in slices: the watchdog's error can still reach a thread waiting here
+            pass
+        if self.error is not None:
+            raise self.error
+        for work in self.works:
+            work.wait()
+
+
+class Relays:
+    """Second stages of two-stage collectives (by_node.py, [Note: hierarchical collectives]), issued as soon as
+    their first stage completes instead of when the caller waits, so that the link between nodes does not stand idle
+    until then: a daemon thread takes them in the order given, waits for each first stage's works and runs its
+    ``then``, which issues the second stage (point-to-point operations, whose tags the caller fixed when it issued the
+    first, so the order in which threads issue them does not matter) and returns its works. Started by the first
+    relay, ended by ``close``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def after(self, works: list, then: Callable[[], list]) -> Relayed:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        relayed = Relayed()
+        self._queue.put((works, then, relayed))
+        return relayed
+
+    def close(self) -> None:
+        """End the thread once the relays queued have run (nothing is left after a step)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            works, then, relayed = item
+            try:
+                for work in works:
+                    work.wait()
+                relayed.works = then()
+            except BaseException as err:  # a peer's failure: raised where the caller waits
+                relayed.error = err
+            relayed.ready.set()
 
 
 class InFlight:

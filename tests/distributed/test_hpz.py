@@ -201,18 +201,17 @@ def _segment(shapes, n: int) -> int:
 def test_backward_gathers_stay_inside_the_node(ranks, case: str, b: int) -> None:
     """2 nodes x 2 on gloo. Each block's backward gather moves inside the node: a rank sends its row of the unit's
     storage (``4 S / 2`` elements, S a rank's segment of the blocks) to its one node peer, none of it across. Flat
-    zero3's backward gather sent 3 segments (``3 S b``) down gloo's binomial trees, ``c`` of them to the other node
-    (``c = 2`` from ranks 0 and 2, 3 from ranks 1 and 3): hpZ's total is flat's less ``S b``, its cross-node bytes
-    flat's less ``c S b``, every step. Activation checkpointing's recomputation reuses the backward's gather."""
+    zero3's backward gather, node by node (by_node.py, [Note: hierarchical collectives]), sent 3 segments (``3 S
+    b``), one of them to the other node: hpZ's total is flat's less ``S b``, its cross-node bytes flat's less ``S b``,
+    every step. Activation checkpointing's recomputation reuses the backward's gather."""
     for rank, out in enumerate(ranks):
-        c = 3 if rank % 2 else 2
         flat, hpz = out["fits"][f"flat{case}"], out["fits"][f"hpz{case}"]
         s = _segment(hpz["blocks"], WORLD)
         for step in range(1, STEPS):  # steady steps
             assert hpz["ops"][step]["all_gather_hpz"] == (2 * s * b, 0), (rank, step)
             assert hpz["ops"][step]["all_gather"][0] == flat["ops"][step]["all_gather"][0] - 3 * s * b
             assert hpz["total"][step] == flat["total"][step] - s * b, (rank, step)
-            assert hpz["cross"][step] == flat["cross"][step] - c * s * b, (rank, step)
+            assert hpz["cross"][step] == flat["cross"][step] - s * b, (rank, step)
 
 
 def test_1x4_nothing_crosses(ranks) -> None:
@@ -297,14 +296,13 @@ def _six(rank: int, world_size: int) -> dict:
 
 
 def test_six_ranks_as_three_nodes_of_two() -> None:
-    """Flat zero3 over 6 ranks, 3 nodes x 2: hpZ is bitwise the same, and its backward gathers cross nothing (flat's
-    sent 5 segments down gloo's binomial trees, 4 of them across from even ranks, all 5 from odd ones: rank 1, say,
-    is member 1 of the tree from 0 (sends to 3 and 5) and the root of its own (sends to 2, 3 and 5))."""
+    """Flat zero3 over 6 ranks, 3 nodes x 2: hpZ is bitwise the same, and its backward gathers cross nothing (flat's,
+    node by node, sent 5 segments, 2 of them across: its own to the rank at its position on each other node)."""
     six = run_on_ranks(_six, 6)
     for rank, out in enumerate(six):
         _assert_bitwise(out["hpz"], out["flat"], f"rank {rank}")
         s = _segment(out["hpz"]["blocks"], 6)
-        across = 5 if rank % 2 else 4
+        across = 2
         for step in range(1, STEPS):
             assert out["hpz"]["ops"][step]["all_gather_hpz"] == (6 * s * 4 // 2, 0)
             assert out["hpz"]["cross"][step] == out["flat"]["cross"][step] - across * s * 4

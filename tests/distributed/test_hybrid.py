@@ -246,28 +246,27 @@ def _segment(shapes, n: int) -> int:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_cross_node_bytes_per_step_match_the_algorithm_model(ranks, stage: int) -> None:
-    """2 nodes x 2 ranks, fp32 (b = 4), gloo. Flat: every reduce-scatter sends a segment to each of the 3 peers, 2
-    of them on the other node; an all-gather broadcasts each rank's segment down gloo's binomial tree, which sends 2
-    segments across from ranks 0 and 2 and 3 from ranks 1 and 3; the norm's all-reduce (5 floats, a ring 0-1-2-3)
-    crosses from ranks 1 and 3. Hybrid: only the replica all-reduce of the gradient shard crosses (a ring of 2: the
-    whole segment)."""
+    """2 nodes x 2 ranks, fp32 (b = 4), gloo. Flat: the reduce-scatters and all-gathers run node by node
+    (by_node.py, [Note: hierarchical collectives]): each sends one segment across per call, from every rank (its
+    node's partial sum of the other node's segment at its position; its own segment); the norm's all-reduce (5
+    floats, a ring 0-1-2-3) crosses from ranks 1 and 3. Hybrid: only the replica all-reduce of the gradient shard
+    crosses (a ring of 2: the whole segment)."""
     b = 4
     blocks, root = ranks[0]["fits"][(stage, "flat")]["shapes"]
     everything = [*blocks, *root]
     hybrid = b * _segment(everything, K)
     norm_ring = int(2 * (3 / 4) * (1 + WORLD) * 4)
     for rank, out in enumerate(ranks):
-        c = 3 if rank % 2 else 2  # segments of an all-gather this rank sends across
         if stage == 3:  # blocks gathered in forward and backward and reduced; the root unit gathered once and reduced
-            flat = b * ((2 + 2 * c) * _segment(blocks, 4) + (2 + c) * _segment(root, 4))
+            flat = b * (3 * _segment(blocks, 4) + 2 * _segment(root, 4))
         else:  # every gradient reduce-scattered, every parameter all-gathered once
-            flat = b * (2 + c) * _segment(everything, 4)
+            flat = b * 2 * _segment(everything, 4)
         flat_cross = out["fits"][(stage, "flat")]["cross"][1:]  # steady steps
         hybrid_cross = out["fits"][(stage, "2x2")]["cross"][1:]
         assert flat_cross == [flat + (norm_ring if rank % 2 else 0)] * (STEPS - 1), rank
         assert hybrid_cross == [hybrid] * (STEPS - 1), rank
-        # About (2 + c)/4 Psi*b (stages 1-2) or (2 + 2c)/4 (stage 3), against Psi*b/2.
-        assert flat_cross[0] / hybrid_cross[0] == pytest.approx((2 + 2 * c if stage == 3 else 2 + c) / 2, rel=0.05)
+        # About 2/4 Psi*b (stages 1-2) or 3/4 (stage 3), against Psi*b/2.
+        assert flat_cross[0] / hybrid_cross[0] == pytest.approx(1.5 if stage == 3 else 1.0, rel=0.05)
         if stage == 3:  # bf16-mixed: 16-bit gathers and gradients (b = 2), the norm's all-reduce still fp32
             bf16 = out["bf16"]
             assert bf16["flat"][1:] == [flat // 2 + (norm_ring if rank % 2 else 0)] * (STEPS - 1), rank

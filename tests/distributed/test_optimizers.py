@@ -86,13 +86,13 @@ def _steps(optimizer: str, batches: int) -> int:
     return batches * (2 if optimizer == "muon" else 1)  # max_steps counts each optimizer's steps
 
 
-def _fit(strategy, optimizer: str, batches: int = STEPS, ckpt_path=None, callbacks=(),
+def _fit(strategy, optimizer: str, batches: int = STEPS, ckpt_path=None, callbacks=(), world_size: int = 2,
          **kwargs) -> tuple[pl.Trainer, list[float]]:
     pl.seed_everything(7, verbose=False)
     model = GPT2(optimizer)
     losses = Losses()
-    trainer = make_trainer(strategy, 2, max_steps=_steps(optimizer, batches), callbacks=[losses, *callbacks],
-                           **kwargs)
+    trainer = make_trainer(strategy, world_size, max_steps=_steps(optimizer, batches),
+                           callbacks=[losses, *callbacks], **kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer, losses.values
 
@@ -126,7 +126,8 @@ def _run(rank: int, world_size: int, root: Path) -> dict:
 
 def _reload_at_one_rank(rank: int, world_size: int, root: Path) -> dict:
     """The zero3 checkpoint of the 2-rank run, loaded by one rank under zero1: what its optimizer and module hold."""
-    trainer, _ = _fit(ZeroStrategy(stage=1), "muon_aux", batches=STEPS // 2, ckpt_path=root / "muon_aux-zero3-half.ckpt")
+    trainer, _ = _fit(ZeroStrategy(stage=1), "muon_aux", batches=STEPS // 2, world_size=1,
+                      ckpt_path=root / "muon_aux-zero3-half.ckpt")
     optimizer = trainer.optimizers[0]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return {"state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}

@@ -228,18 +228,16 @@ def test_with_activation_checkpointing_and_without_resharding_after_forward(rank
 
 
 def test_cross_node_bytes_count_the_payloads(ranks) -> None:
-    """Flat at 2 nodes x 2 on gloo: a gather broadcasts each rank's payload down gloo's binomial tree, which sends
-    ``c = 2`` payloads across from ranks 0 and 2 and ``c = 3`` from ranks 1 and 3; so qwZ saves ``c (4 S - P)``
-    across per gather (each block twice a step, the root once). Hybrid: the gathers stay inside the node, as
-    unquantized."""
+    """Flat at 2 nodes x 2 on gloo: a gather runs node by node (by_node.py, [Note: hierarchical collectives]),
+    each rank sending its own payload across once; so qwZ saves ``4 S - P`` across per gather (each block twice a
+    step, the root once). Hybrid: the gathers stay inside the node, as unquantized."""
     blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
     per_block = blocks[: len(blocks) // GPT.n_layer]
     saved = sum(count * (4 * _segment(shapes, WORLD) - _quantized(shapes, WORLD)) for count, shapes in
                 ((2 * GPT.n_layer, per_block), (1, root)))
     for rank, out in enumerate(ranks):
-        c = 3 if rank % 2 else 2
         plain, qwz = out["gpt"][(False, None)]["cross"][1:], out["gpt"][(True, None)]["cross"][1:]
-        assert [p - q for p, q in zip(plain, qwz)] == [c * saved] * len(qwz), rank
+        assert [p - q for p, q in zip(plain, qwz)] == [saved] * len(qwz), rank
         hybrid = out["gpt"][(True, K)]["cross"][1:]
         assert hybrid == [4 * _segment([*blocks, *root], K)] * len(hybrid), rank  # the replica all-reduce only
 

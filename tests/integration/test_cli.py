@@ -340,6 +340,22 @@ def test_estimate_from_a_model_config(capfd):
     assert "recommendation: ddp:" in out
 
 
+def test_estimate_between_nodes_gives_each_layouts_link_time_and_the_shortest_step(capfd):
+    args = ["estimate", "--model", "gpt_small", "--ranks", "4", "--ranks-per-node", "2", "--budget-gb", "4",
+            "--step-s", "1.3"]
+    assert main([*args, "--link-gbps", "0.01"]) == 0
+    out = capfd.readouterr().out
+    assert "between 2 nodes of 2 ranks at 0.01 Gbit/s each way, 1.3 s of compute a step" in out
+    assert "zero3     flat             5.05 MB     4.044     5.344" in out
+    assert "between nodes among the options that fit the budget: zero3 zero++ makes the shortest step" in out
+    assert main([*args, "--link-gbps", "1"]) == 0
+    assert "between nodes among the options that fit the budget: ddp flat makes the shortest step" in capfd.readouterr().out
+    assert main([*args[:-2], "--link-gbps", "1"]) == 2
+    assert "--link-gbps needs the step's compute time: give --step-s, or --measure with --model" in capfd.readouterr().err
+    assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--link-gbps", "1", "--step-s", "1"]) == 2
+    assert "--link-gbps needs several nodes: give --ranks-per-node below --ranks=4" in capfd.readouterr().err
+
+
 def test_estimate_with_hybrid_sharding_splits_the_communication(capfd):
     psi = GPTConfig().num_parameters
     assert main(["estimate", "--model", "gpt_small", "--ranks", "4", "--shard-group-size", "2"]) == 0

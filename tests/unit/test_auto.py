@@ -153,6 +153,8 @@ def test_a_bad_node_count_is_refused():
         ({"budget_gb": "4"}, "budget_gb='4' is invalid: it must be a finite number of GiB > 0"),
         ({"reserve_gb": -1.0}, "reserve_gb=-1.0 is invalid: it must be a finite number of GiB >= 0"),
         ({"bucket_mb": float("inf")}, "bucket_mb=inf is invalid: it must be a finite number of MiB > 0"),
+        ({"link_gbps": 0}, "link_gbps=0 is invalid: it must be a finite number of Gbit/s > 0"),
+        ({"step_s": -1.0}, "step_s=-1.0 is invalid: it must be a finite number of seconds > 0"),
     ],
 )
 def test_bad_settings_name_the_field(kwargs, message):
@@ -272,3 +274,66 @@ def test_with_a_measured_step_auto_chooses_from_the_whole_peak(monkeypatch):
     choice = auto.choose(measuring, PSI, "32-true", "cpu", 2, step=inputs)
     assert choice.option == "zero2"
     assert auto.measured_step(AutoStrategy(), model, 2, 16) is None  # measure=False: nothing runs
+
+
+SMALL_GPT = ParameterCounts(total=842_496, trainable=842_496)
+
+
+@pytest.mark.parametrize(("gbps", "option", "settings"), [
+    (1.0, "ddp", ()),
+    (0.04, "zero1", ()),  # zero3 with ZeRO++ within 5% of it: the less complex wins
+    (0.01, "zero3", (("quantize_weights", True), ("hpz_group_size", "node"), ("quantize_grads", "int4"))),
+])
+def test_between_nodes_the_link_chooses_the_layout(gbps, option, settings):
+    strategy = AutoStrategy(budget_gb=4, link_gbps=gbps, step_s=1.3)
+    choice = auto.choose(strategy, SMALL_GPT, "32-true", accelerator="cpu", devices=2, num_nodes=2)
+    assert (choice.option, choice.settings) == (option, settings)
+    assert f"between 2 nodes at {gbps:g} Gbit/s and 1.3 s of compute a step" in choice.reason
+    built = auto.build(choice.option, strategy, choice.settings)
+    if option != "ddp":
+        assert built.config.stage == int(option[-1])
+        assert built.config.comm.quantize_grads == dict(settings).get("quantize_grads")
+        assert built.config.topology.hpz_group_size == dict(settings).get("hpz_group_size")
+
+
+def test_between_nodes_hybrid_sharding_needs_the_memory_of_one_node():
+    # 9 MB a rank: only zero3 fits (3.37 MB of states and a bucket as large at 4 ranks; hpZ's secondaries add 1.68 MB);
+    # hybrid sharding would hold a world of 2's states (10.1 MB), so at 40 Mbit/s, where it would win the near tie
+    # with ZeRO++, ZeRO++ is chosen.
+    strategy = AutoStrategy(budget_gb=9e6 / 2**30, link_gbps=0.04, step_s=1.3, offload=False)
+    choice = auto.choose(strategy, SMALL_GPT, "32-true", accelerator="cpu", devices=2, num_nodes=2)
+    assert (choice.option, dict(choice.settings)["quantize_grads"]) == ("zero3", "int4")
+    assert "zero3 hybrid" not in choice.reason and "zero3 flat" in choice.reason
+    roomy = AutoStrategy(budget_gb=11e6 / 2**30, link_gbps=0.04, step_s=1.3, offload=False)  # zero2 fits too
+    choice = auto.choose(roomy, SMALL_GPT, "32-true", accelerator="cpu", devices=2, num_nodes=2)
+    assert choice.option == "zero2" and "zero3 hybrid (shard_group_size='node')" in choice.reason
+
+
+def test_the_link_needs_the_steps_compute_time():
+    strategy = AutoStrategy(budget_gb=4, link_gbps=0.04)
+    with pytest.raises(AutoStrategyError) as err:
+        auto.choose(strategy, SMALL_GPT, "32-true", accelerator="cpu", devices=2, num_nodes=2)
+    assert str(err.value) == ("strategy.link_gbps needs the step's compute time: set strategy.measure=true (one step "
+                              "is timed) or strategy.step_s (seconds a rank computes one step)")
+    # One node: nothing crosses, the link is not considered.
+    assert auto.choose(strategy, SMALL_GPT, "32-true", accelerator="cpu", devices=2).settings == ()
+
+
+def test_the_layout_travels_to_rerun_ranks(monkeypatch):
+    choice = AutoChoice("zero3", "why", (("quantize_weights", True), ("hpz_group_size", "node"), ("prefetch", 2)))
+    with auto.shared_with_ranks(choice):
+        assert os.environ[AUTO_ENV] == "zero3 quantize_weights=True hpz_group_size=node prefetch=2"
+        inherited = auto.choose(AutoStrategy(), None, "32-true", accelerator="cpu", devices=2)
+    assert inherited == AutoChoice("zero3", None, choice.settings)
+
+
+def test_between_nodes_the_measured_step_gives_the_compute():
+    from lightning_zero import estimate
+    from lightning_zero.step_measure import StepMeasure
+
+    step = StepMeasure(baseline=0, activation_per_sample=1000, activation_fixed=0, unit_elements=200_000,
+                       root_unit_elements=50_000, seconds_per_sample=1.3 / 32)
+    assert step.compute_s(32) == pytest.approx(1.3)
+    measuring = AutoStrategy(budget_gb=4, link_gbps=0.01, measure=True)
+    choice = auto.choose(measuring, SMALL_GPT, "32-true", "cpu", 2, num_nodes=2, step=estimate.PeakInputs(step, 32))
+    assert choice.option == "zero3" and "and 1.3 s of compute a step" in choice.reason

@@ -30,11 +30,24 @@ from lightning_zero.precision import ZeroPrecision
         ({"units": "Block"}, "units='Block' is invalid: it must be a list of module class names or module paths"),
         ({"units": ("Block", 3)}, "units=('Block', 3) is invalid"),
         ({"reshard_after_forward": "yes"}, "reshard_after_forward='yes' is invalid: it must be true or false"),
+        ({"shard_group_size": "auto"}, "shard_group_size='auto' is invalid: it must be an integer >= 1 that divides the "
+                                       "world size, 'node' (one group per node, as the launcher laid them out), or null"),
+        ({"node_size": "node"}, "node_size='node' is invalid: it must be an integer >= 1 that divides the world size, "
+                                "or null"),
+        ({"stage": 3, "shard_group_size": "node", "hpz_group_size": "node"},
+         "hpz_group_size='node' is invalid with shard_group_size='node': hpZ's group must be smaller than the shard "
+         "group, which is the node"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, message) -> None:
     with pytest.raises(ZeroConfigError, match=re.escape(message)):
         ZeroConfig.from_options(**kwargs)
+
+
+def test_groups_of_one_node_are_named() -> None:
+    config = ZeroConfig.from_options(stage=3, shard_group_size="node", hpz_group_size=2)
+    assert (config.topology.shard_group_size, config.topology.hpz_group_size) == ("node", 2)
+    assert ZeroConfig.from_options(stage=3, hpz_group_size="node").topology.hpz_group_size == "node"
 
 
 def test_config_is_frozen() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_zero import ZeroConfigError
-from lightning_zero.sharding.topology import Links, Topology
+from lightning_zero.sharding.topology import Links, Topology, launched_node_size
 
 
 def test_consecutive_shard_groups_and_strided_replica_groups() -> None:
@@ -91,3 +91,67 @@ def test_broadcast_down_gloos_tree_or_along_a_chain() -> None:
     assert [Links(six, i, 2).tree_gather_rows for i in range(6)] == [4, 5, 4, 5, 4, 5]
     # NCCL's chain 0 -> 1 -> 2 -> 3: only 1 -> 2 crosses; 3 does not send back to the root.
     assert [Links(world, i, 2).broadcast(8.0, root=0, chain=True) for i in range(4)] == [0.0, 8.0, 0.0, 0.0]
+
+
+def test_one_group_per_node_is_the_launchers_node() -> None:
+    # torchrun: 2 nodes x 4 ranks; "node" is the launcher's 4, whatever the emulation defaults would be.
+    hybrid = Topology.make(8, 5, shard_group_size="node", node_size=None, host_ranks=4, hpz_group_size=2)
+    assert (hybrid.shard_group_size, hybrid.node_size, hybrid.hpz_group_size) == (4, 4, 2)
+    assert hybrid.shard_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    flat = Topology.make(8, 5, shard_group_size=None, node_size=None, host_ranks=4, hpz_group_size="node")
+    assert (flat.shard_group_size, flat.node_size, flat.hpz_group_size) == (8, 4, 4)
+    # Shard groups smaller than a node: the node is still the launcher's.
+    assert Topology.make(8, 0, shard_group_size=2, node_size=None, host_ranks=4).node_size == 4
+    # One node emulating two (4 CPU ranks as 2 x 2): node_size says where they split, "node" follows it.
+    assert Topology.make(4, 0, "node", node_size=2, host_ranks=4).shard_group_size == 2
+
+
+def test_a_node_size_that_contradicts_the_launcher_is_refused() -> None:
+    with pytest.raises(ZeroConfigError) as err:
+        Topology.make(8, 0, shard_group_size=None, node_size=8, host_ranks=4)
+    assert str(err.value) == ("node_size=8 disagrees with the launcher, which started 2 nodes of 4 ranks: drop node_size "
+                              "(the nodes are read from the launcher)")
+
+
+def test_an_hpz_group_of_the_whole_node_under_one_group_per_node_is_refused() -> None:
+    with pytest.raises(ZeroConfigError) as err:
+        Topology.make(8, 0, shard_group_size=4, node_size=None, host_ranks=4, hpz_group_size="node")
+    assert str(err.value) == ("hpz_group_size='node' (4 ranks a node) is invalid for a shard group of 4 ranks (world 8): "
+                              "it must divide the shard group size and be smaller (allowed: 1, 2)")
+
+
+@pytest.mark.parametrize(("environ", "external", "expected"), [
+    ({"LOCAL_WORLD_SIZE": "2"}, True, 2),  # torchrun
+    ({"SLURM_NTASKS_PER_NODE": "2"}, True, 2),  # srun --ntasks-per-node=2
+    ({"LOCAL_WORLD_SIZE": "2"}, False, 4),  # Lightning started the processes: its devices, whatever is left over
+    ({}, True, 4),  # a launcher that says nothing: the Trainer's devices
+])
+def test_the_node_size_is_the_launchers(environ: dict, external: bool, expected: int) -> None:
+    devices, num_nodes = expected, 4 // expected
+    assert launched_node_size(environ, external, devices, num_nodes, world_size=4) == expected
+
+
+def test_a_trainer_that_contradicts_the_launchers_nodes_is_refused_in_one_line() -> None:
+    # The case: torchrun --nnodes 2 --nproc-per-node 2 and Trainer(devices=4, num_nodes=1), which
+    # Lightning's own check (devices * num_nodes == world size) lets through.
+    with pytest.raises(ZeroConfigError) as err:
+        launched_node_size({"LOCAL_WORLD_SIZE": "2"}, True, devices=4, num_nodes=1, world_size=4)
+    assert str(err.value) == (
+        "the launcher started 2 nodes of 2 ranks (LOCAL_WORLD_SIZE=2, world size 4), but the Trainer has num_nodes=1 "
+        "and devices=4: set Trainer(num_nodes=2, devices=2) to match the launch"
+    )
+    with pytest.raises(ZeroConfigError, match=r"the launcher started a ragged layout \(LOCAL_WORLD_SIZE=3, world size 4"):
+        launched_node_size({"LOCAL_WORLD_SIZE": "3"}, True, devices=1, num_nodes=4, world_size=4)
+
+
+@pytest.mark.parametrize(("members", "node_size", "grid"), [
+    ((0, 1, 2, 3), 2, (2, 2)),  # 2 nodes x 2: node by node
+    (tuple(range(6)), 3, (2, 3)),
+    ((0, 1, 4, 5), 2, (2, 2)),  # a subgroup of whole nodes
+    ((0, 1, 2, 3), 4, None),  # one node: nothing to save
+    ((0, 1, 2, 3), 1, None),  # a rank a node: each rank's row crosses anyway
+    ((0, 2, 1, 3), 2, None),  # not node by node in group order
+    ((0, 1, 2), 2, None),  # a partial node
+])
+def test_a_group_of_whole_nodes_is_a_grid(members, node_size: int, grid) -> None:
+    assert Links(members, 0, node_size).grid == grid

@@ -20,18 +20,19 @@ def test_cross_node_formulas_at_two_nodes_of_two() -> None:
     s = zeropp.Sizes(units=800, root=200, b=4)
     configs = {c.name: c for c in zeropp.CONFIGS}
     a = zeropp.AG_SHARE
-    # ZeRO-3: per all-gather gloo's tree sends 2.5 of the 4 quarters across on average (5/8); units gathered twice,
-    # the root once; the reduce-scatter's quarter to the 2 peers across.
-    assert configs["zero3"].gloo(s, a) == 0.625 * (2 * 800 + 200) * 4 + 0.5 * 1000 * 4 == 6500
-    assert configs["zero1"].gloo(s, a) == configs["zero2"].gloo(s, a) == 1000 * 4 * (0.5 + 0.625)
+    # ZeRO-3, node by node: per all-gather and per reduce-scatter a rank sends its quarter across once; units gathered
+    # twice, the root once.
+    assert a == 0.25
+    assert configs["zero3"].gloo(s, a) == 0.25 * (2 * 800 + 200) * 4 + 0.25 * 1000 * 4 == 2800
+    assert configs["zero1"].gloo(s, a) == configs["zero2"].gloo(s, a) == 1000 * 4 * (0.25 + 0.25)
     # qwZ: both gathers at 1 + 4/4096 bytes an element.
-    assert configs["zero3_qwz"].gloo(s, a) == 0.625 * (2 * 800 + 200) * (1 + 4 / 4096) + 2000
+    assert configs["zero3_qwz"].gloo(s, a) == 0.25 * (2 * 800 + 200) * (1 + 4 / 4096) + 1000
     # hpZ: the backward gather stays in the node; qgZ: the reduce-scatter becomes one int4 payload of a quarter to the
     # other node; all three: the forward's int8 gather and qgZ's payload only.
-    assert configs["zero3_hpz"].gloo(s, a) == 0.625 * 1000 * 4 + 0.5 * 1000 * 4 == 4500
+    assert configs["zero3_hpz"].gloo(s, a) == 0.25 * 1000 * 4 + 0.25 * 1000 * 4 == 2000
     qgz = 250 * (0.5 + 4 / 4096)
-    assert configs["zero3_qgz"].gloo(s, a) == 0.625 * (2 * 800 + 200) * 4 + qgz
-    assert configs["zero3_zeropp"].gloo(s, a) == 0.625 * 1000 * (1 + 4 / 4096) + qgz
+    assert configs["zero3_qgz"].gloo(s, a) == 0.25 * (2 * 800 + 200) * 4 + qgz
+    assert configs["zero3_zeropp"].gloo(s, a) == 0.25 * 1000 * (1 + 4 / 4096) + qgz
     assert configs["zero3_zeropp"].gloo(s, a) / configs["zero3"].gloo(s, a) < 0.22
     # Hybrid: the shard (Psi/2) all-reduced over a ring of 2, whatever the all-gather does.
     for name in ("zero1_hybrid", "zero2_hybrid", "zero3_hybrid", "zero3_hybrid_qwz"):
