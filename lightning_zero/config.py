@@ -240,16 +240,19 @@ class OffloadConfig:
             to the device with each unit's all-gather; ``"disk"`` keeps them in files under ``offload_dir``.
         offload_dir: the directory disk offload writes into (a private subdirectory is created and removed at the
             end); ``None`` uses the system's temporary directory.
-        offload_subgroup_mb: disk offload streams the states of this many MiB of parameters at a time.
+        offload_subgroup_mb: disk offload streams the states of this many MiB of parameters (fp32 masters) at a time;
+            ``None`` (default): chosen at set-up from the rank's host budget and the model, at least 8 MiB and at
+            most 256 MiB (offload/sizing.py, [Note: sizing disk offload's sub-groups]).
         offload_resident_subgroups: how many sub-groups disk offload holds in host memory at once (the one
-            stepping, the ones being read ahead or written back): bounds host memory to about this many sub-groups.
+            stepping, the ones being read ahead or written back): bounds host memory to about this many sub-groups;
+            ``None`` (default): 2, or 3 where the host budget holds three of the largest sub-groups.
     """
 
     offload_optimizer: str | None = None
     offload_params: str | None = None
     offload_dir: str | None = None
-    offload_subgroup_mb: float = 256.0
-    offload_resident_subgroups: int = 3
+    offload_subgroup_mb: float | None = None
+    offload_resident_subgroups: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("offload_optimizer", "offload_params"):
@@ -269,17 +272,18 @@ class OffloadConfig:
             )
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ZeroConfigError(f"offload_dir={self.offload_dir!r} is invalid: it must be a directory path")
-        _check_mib("offload_subgroup_mb", self.offload_subgroup_mb)
+        if self.offload_subgroup_mb is not None:
+            _check_mib("offload_subgroup_mb", self.offload_subgroup_mb)
         resident = self.offload_resident_subgroups
-        if isinstance(resident, bool) or not isinstance(resident, int) or resident < 2:
+        if resident is not None and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 2):
             raise ZeroConfigError(
                 f"offload_resident_subgroups={resident!r} is invalid: it must be an integer >= 2 (one stepping, one "
-                "read ahead)"
+                "read ahead), or null (chosen from the host budget)"
             )
 
     @property
-    def subgroup_bytes(self) -> int:
-        return max(1, int(self.offload_subgroup_mb * 2**20))
+    def subgroup_bytes(self) -> int | None:
+        return None if self.offload_subgroup_mb is None else max(1, int(self.offload_subgroup_mb * 2**20))
 
     @property
     def on_disk(self) -> bool:

@@ -237,7 +237,8 @@ BAD_INPUT = [
     ("trainer.precision=bf16-true", "trainer.precision='bf16-true' is invalid: allowed values are 32-true"),
     ("strategy=zero5", "strategy=zero5 is not an option: allowed values are auto, ddp, zero1, zero1_offload, zero2, "
      "zero2_offload, zero3, zero3_hpz, zero3_hybrid, zero3_offload, zero3_offload_disk"),
-    ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_llama"),
+    ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_gpt2, "
+     "hf_llama"),
     ("recipe=nope", "recipe=nope is not an option: allowed values are gpt_large_zero3, gpt_long_context_ac, "
      "gpt_medium_zero3_offload, gpt_small_zero3"),
     ("strategy.bucket_m=1", "strategy.bucket_m is not a field of strategy: allowed fields are stage, bucket_mb,"),
