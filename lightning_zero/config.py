@@ -56,6 +56,13 @@ class CommConfig:
             every training forward, as ``DistributedDataParallel`` does by default.
         shortcut_single_rank: with one rank there is nothing to communicate and no collective is issued; ``False``
             issues them anyway (to run every NCCL call on a single GPU, or to measure what they cost).
+        overlap_gather: stages 1 and 2: leave the all-gathers of the updated parameters in flight after the step,
+            completed bucket by bucket in the next forward, where they overlap compute; their buffers are held from
+            the step to the next forward (sharding/replicated.py, [Note: what the gathers in flight hold]).
+            ``None`` (default): only where they hold at most 1/16 of the parameters (``MAX_IN_FLIGHT`` buckets of
+            ``bucket_mb`` against a model of at least 800 MiB of parameters at 25 MiB), so that a rank holds within
+            6.3% of ZeRO's formula after a step; otherwise they complete before the step returns. ``True`` always
+            (faster on a host: BENCHMARKS.md), ``False`` never.
         quantize_grads: ZeRO++'s qgZ: ``"int4"`` or ``"int8"`` reduces each gradient bucket as block-quantized
             payloads (one fp32 scale per 4096 elements) in two all-to-alls, inside the node then across nodes,
             dequantized before each fp32 sum (collectives.py, [Note: the quantized reduce-scatter]): int4 sends about
@@ -69,6 +76,7 @@ class CommConfig:
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     shortcut_single_rank: bool = True
+    overlap_gather: bool | None = None
     quantize_grads: str | None = None
 
     def __post_init__(self) -> None:
@@ -79,6 +87,9 @@ class CommConfig:
             allowed = ", ".join(repr(k) for k in (None, *DTYPES))
             raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid: allowed values are {allowed}")
         _check_bool(self, "find_unused_parameters", "broadcast_buffers", "shortcut_single_rank")
+        if self.overlap_gather is not None and not isinstance(self.overlap_gather, bool):
+            raise ZeroConfigError(f"overlap_gather={self.overlap_gather!r} is invalid: it must be true, false or null "
+                                  "(where its buffers are small against the parameters)")
         if self.quantize_grads is not None and self.quantize_grads not in tuple(GRAD_QUANTIZATIONS):
             allowed = ", ".join(repr(k) for k in (None, *GRAD_QUANTIZATIONS))
             raise ZeroConfigError(f"quantize_grads={self.quantize_grads!r} is invalid: allowed values are {allowed}")
@@ -115,9 +126,9 @@ class Stage3Config:
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per
             unit collective, waited for before issuing only where a rank leaves the sequence of the steps before.
         buffer_pool_mb: on a host (not on CUDA, whose caching allocator reuses memory already), the gather and
-            reduction buffers kept across units and steps hold at most this many MiB; ``None`` (default): twice the
-            largest unit's buffer (the root unit, gathered once a step, not counted); 0 keeps none. Counted in
-            ``model_state_bytes()`` as ``buffers``.
+            reduction buffers kept across units hold at most this many MiB; ``None`` (default): twice the largest
+            unit's buffer (the root unit, gathered once a step, not counted); 0 keeps none. Counted in
+            ``model_state_bytes()`` as ``buffers``, and handed back at the end of each step.
         quantize_weights: ZeRO++'s qwZ: each unit's all-gather in a step sends every rank's shard as int8, one fp32
             scale per block of 4096 elements (``sharding/quantize.py``), about a quarter of fp32's bytes and half of
             bf16's; every rank dequantizes the gathered payloads into the unit's working-dtype parameters. The fp32

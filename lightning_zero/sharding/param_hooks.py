@@ -336,6 +336,7 @@ class ShardedParams:
         if not self._holding:
             for unit in self.all_units:
                 unit.reshard()
+        self.pool.clear()  # see [Note: what the buffer pools keep, and where]
         self.comms.weight_check.raise_if_nonfinite()
 
     @contextmanager
