@@ -6,7 +6,8 @@ One 2-rank job (forked ranks, gloo, one thread each) trains a GPT with ``zero3_o
 under ``--workdir``) once per setting, in the same processes: each setting is a fresh fit of ``--steps`` steps. Per
 setting it records, on every rank, the time from ``on_before_optimizer_step`` to the end of the batch (the offloaded
 step: reading each sub-group's masters, moments, rows and gradients, the fused Adam, writing them back), steps 2 and on
-(the first creates the optimizer states), and the rank's resident sub-group buffers during a step
+(the first creates the optimizer states), wall-clock and CPU time (the process's, its I/O thread's included: what
+each sub-group costs beyond its reads and writes), the sub-group count, and the rank's resident buffers during a step
 (``DiskOffload.step_buffer_bytes``). The
 settings run in rounds, each round in a shuffled order, so that a disturbance of the shared machine does not fall on
 one setting only; the report gives each setting's median over rounds and steps, the slower rank's.
@@ -29,11 +30,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results", "offload_subgroups.json")
-#: 8 layers of width 1024 (102M parameters): shards of up to 8 MiB of masters per rank, as the 303M model's.
-MODEL = dict(vocab_size=1024, n_layer=8, n_head=16, d_model=1024, seq_len=64)
+#: 16 layers of width 512 (50M parameters): shards of at most 2 MiB of masters per rank, so that a sub-group of a few
+#: MiB holds few of them, and the sub-group count follows its size down to 2 MiB.
+MODEL = dict(vocab_size=1024, n_layer=16, n_head=8, d_model=512, seq_len=64)
 BATCH = 2
 #: (sub-group MiB, resident sub-groups)
-SETTINGS = [(1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (32, 2), (64, 2), (16, 3), (64, 3)]
+SETTINGS = [(1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (32, 2), (64, 2), (8, 3), (32, 3)]
 
 
 def main(argv=None) -> int:
@@ -81,14 +83,19 @@ def _job(rounds: list, steps: int, workdir: str) -> dict:
 
         def __init__(self) -> None:
             self.seconds: list[float] = []
+            self.cpu: list[float] = []
+            self.groups = 0
             self.buffers = 0
-            self._start = 0.0
+            self._start = (0.0, 0.0)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            self._start = time.perf_counter()
+            self._start = (time.perf_counter(), time.process_time())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.seconds.append(time.perf_counter() - self._start)
+            self.seconds.append(time.perf_counter() - self._start[0])
+            self.cpu.append(time.process_time() - self._start[1])
+            offload = trainer.strategy.runtime.offload
+            self.groups = len(list(offload.groups(offload.shards)))
             self.buffers = max(self.buffers, trainer.strategy.runtime.offload.step_buffer_bytes)
 
     tokens = torch.randint(0, config.vocab_size, (BATCH * 2 * steps, config.seq_len + 1),
@@ -105,7 +112,8 @@ def _job(rounds: list, steps: int, workdir: str) -> dict:
                                         offload_resident_subgroups=resident)
                 make_trainer(strategy, 2, max_steps=steps, callbacks=[probe]).fit(
                     LanguageModel(config, lr=1e-4, warmup_steps=0), train_dataloaders=data)
-            out.setdefault(f"{size}x{resident}", []).append(dict(seconds=probe.seconds[1:], buffers=probe.buffers))
+            out.setdefault(f"{size}x{resident}", []).append(dict(seconds=probe.seconds[1:], cpu=probe.cpu[1:],
+                                                                 groups=probe.groups, buffers=probe.buffers))
     return out
 
 
@@ -118,20 +126,26 @@ def render(results: dict) -> str:
         f"gloo), {results['batch']} sequences a rank and step, {results['steps']} steps a fit (the first not "
         f"timed), {len(results['rounds'])} rounds of every setting in shuffled orders; {results['started']}, load "
         f"average {results['loadavg'][0]:.1f} at the end. Command: `{results['command']}`.", "",
-        "| sub-group (MiB) | resident | offloaded step, median (s) | against the best | resident buffers per rank (MiB) |",
-        "|---|---|---|---|---|",
+        "| sub-group (MiB) | resident | sub-groups | offloaded step, median (s) | against the best | CPU time (s) | "
+        "against the best | resident buffers per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    medians = {}
-    for key in ranks[0]:
-        slower = [max(a, b) for r0, r1 in zip(ranks[0][key], ranks[1][key])
-                  for a, b in zip(r0["seconds"], r1["seconds"])]
-        medians[key] = statistics.median(slower)
-    best = min(medians.values())
-    for key in sorted(medians, key=lambda k: tuple(int(x) for x in k.split("x"))[::-1]):
+    timed_cpu = "cpu" in next(iter(ranks[0].values()))[0]  # runs before the CPU time was recorded have none
+    wall, cpu = _medians(ranks, "seconds"), _medians(ranks, "cpu") if timed_cpu else {}
+    for key in sorted(wall, key=lambda k: tuple(int(x) for x in k.split("x"))[::-1]):
         size, resident = key.split("x")
         buffers = max(r["buffers"] for rank in ranks for r in rank[key]) / 2**20
-        lines.append(f"| {size} | {resident} | {medians[key]:.2f} | {medians[key] / best:.2f}x | {buffers:.0f} |")
+        groups = ranks[0][key][0].get("groups", "-")
+        cpu_cells = f"{cpu[key]:.2f} | {cpu[key] / min(cpu.values()):.2f}x" if cpu else "- | -"
+        lines.append(f"| {size} | {resident} | {groups} | {wall[key]:.2f} | {wall[key] / min(wall.values()):.2f}x | "
+                     f"{cpu_cells} | {buffers:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def _medians(ranks: list, kind: str) -> dict[str, float]:
+    """Per setting, the median over rounds and steps of the slower rank's ``kind`` (wall or CPU seconds)."""
+    return {key: statistics.median(max(a, b) for r0, r1 in zip(ranks[0][key], ranks[1][key])
+                                   for a, b in zip(r0[kind], r1[kind])) for key in ranks[0]}
 
 
 if __name__ == "__main__":

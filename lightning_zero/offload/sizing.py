@@ -11,10 +11,14 @@ for a big host where a job that needs disk offload runs on a small one. So with 
   ``MemAvailable`` and the job's cgroup limit less its usage, shared by the node's ranks, read at set-up when the
   states are about to move into files, so what they free counts too); the rest of the budget is for what every
   stage-3 rank holds besides (the process, gathered units and reductions in flight, activations);
-* a sub-group is never smaller than ``MIN_SUBGROUP_MB``, where the step stops paying for its sub-group count
-  (measured: benchmarks/offload_subgroups.py, BENCHMARKS.md "Disk offload's sub-group size");
+* a sub-group is never smaller than ``MIN_SUBGROUP_MB``, where the step stops paying for its sub-group count:
+  measured on a 50M GPT of 2 MiB shards (benchmarks/offload_subgroups.py, BENCHMARKS.md "Disk offload's sub-group
+  size"), the offloaded step took 1.09-1.18x the best wall time with sub-groups of 1-4 MiB (25 to 50 of them), 1.00-
+  1.02x with 8 and 16 MiB; larger ones gained nothing and cost up to 1.2x the CPU time (their buffers, allocated
+  afresh each step, are faulted in again);
 * two buffers (one stepping, one the I/O thread writes back and reads the next sub-group into: reads and writes
-  run on one thread, so a third only lets it run further ahead), three when the budget holds three of the largest;
+  run on one thread, so a third only lets it run further ahead: no faster in the same measurement), three when the
+  budget holds three of the largest;
 * never more than ``MAX_SUBGROUP_MB``, nor more than the rank's masters spread over its buffers.
 
 An option given wins, each on its own; without a host budget (``lightning-zero estimate`` asked for no placement)

@@ -334,6 +334,27 @@ def test_estimate_knows_the_offload_options(capfd):
     )
 
 
+def test_estimate_on_a_cpu_reads_the_budget_of_the_jobs_memory_cgroup(capfd, monkeypatch, tmp_path):
+    # Inside a 3 GiB cgroup with 0.25 GiB in use, on a host with 20 GiB available: 1.375 GiB per rank, against which
+    # only disk offload fits a 303M-parameter fp32 model; its sub-groups are sized from a quarter of it.
+    from lightning_zero.cli import estimate as estimate_cli
+    from lightning_zero.host_memory import HostMemory
+
+    source = "cgroup v1 /sys/fs/cgroup/memory/job: limit 3.00 GiB less 0.25 GiB in use"
+    monkeypatch.setattr(estimate_cli, "host_memory", lambda: HostMemory(int(2.75 * 2**30), source))
+    monkeypatch.setattr(estimate_cli, "_on_cuda", lambda: False)
+    assert main(["estimate", "--params", "303M", "--ranks", "2", "--offload-dir", str(tmp_path)]) == 0
+    out = capfd.readouterr().out.splitlines()
+    assert f"host budget: 2.75 GiB free ({source}), shared by 2 ranks" in out
+    assert next(line for line in out if line.startswith("budget per rank:")).startswith(
+        "budget per rank: 1.38 GiB of memory (the device is host memory)")
+    # A host run: the master, two moments, parameter rows and gradient shards, 20 bytes a 4-byte master; 352 MiB
+    # over 2 buffers of 5 bytes a byte of master: 35.2 MiB each.
+    assert "zero3_offload_disk: 2 resident sub-groups of 35.2 MiB of masters (from 25% of a host budget of 1.38 GiB " \
+           "per rank)" in out
+    assert out[-2].startswith("recommendation: zero3_offload_disk: the least complex option that fits")
+
+
 def test_estimate_from_a_model_config(capfd):
     assert main(["estimate", "--model", "gpt_small", "--ranks", "2", "--budget-gb", "1"]) == 0
     out = capfd.readouterr().out
