@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default=RESULTS)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--timed", default="", help="comma list of MODEL/RUN to time (default: every one), e.g. "
+                    "gpt2/zero3,M-2/zero3")
     ap.add_argument("--report-only", default="")
     args = ap.parse_args(argv)
     if args.report_only:
@@ -51,9 +53,12 @@ def main(argv=None) -> int:
     from tests.harness import run_on_ranks
 
     started = time.strftime("%Y-%m-%d %H:%M")
-    ranks = run_on_ranks(lambda rank, world: _job(args.rounds, args.steps), 2, timeout_s=3600)
+    timed = [tuple(t.split("/")) for t in args.timed.split(",") if t]
+    ranks = run_on_ranks(lambda rank, world: _job(args.rounds, args.steps, timed), 2, timeout_s=3600)
+    from memory_phases import git_commit
+
     results = dict(command=" ".join(["python", os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
-                   started=started, loadavg=os.getloadavg(), steps=args.steps, ranks=ranks)
+                   started=started, commit=git_commit(), loadavg=os.getloadavg(), steps=args.steps, ranks=ranks)
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
     with open(args.results, "w") as f:
         json.dump(results, f, indent=1)
@@ -61,7 +66,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _job(rounds: int, steps: int) -> dict:
+def _job(rounds: int, steps: int, timed: list[tuple[str, str]]) -> dict:
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -121,14 +126,14 @@ def _job(rounds: int, steps: int) -> dict:
             probe, psi = fit(name, gpt2, before, count=True, n_steps=3)
             out["held"][f"{name}/{'before' if before else 'after'}"] = dict(live=probe.live, psi=psi)
     models = {"gpt2": gpt2, "M-2": GPTConfig(**M2)}
+    timed = timed or [(model_name, name) for model_name in models for name in RUNS]
     for _ in range(rounds):
-        for model_name, model_config in models.items():
-            for name in RUNS:
-                for before in (False, True):
-                    probe, _ = fit(name, model_config, before, count=False, n_steps=steps)
-                    key = f"{model_name}/{name}/{'before' if before else 'after'}"
-                    out["seconds"].setdefault(key, []).append(probe.seconds[2:])
-                    out["cpu"].setdefault(key, []).append(probe.cpu[2:])
+        for model_name, name in timed:
+            for before in (False, True):
+                probe, _ = fit(name, models[model_name], before, count=False, n_steps=steps)
+                key = f"{model_name}/{name}/{'before' if before else 'after'}"
+                out["seconds"].setdefault(key, []).append(probe.seconds[2:])
+                out["cpu"].setdefault(key, []).append(probe.cpu[2:])
     return out
 
 
@@ -143,7 +148,8 @@ def render(results: dict) -> str:
         f"Held after each of 3 steps: HF GPT-2 from its config ({GPT2}), {BATCH} x {SEQ} tokens a rank and step, 2 "
         f"forked CPU ranks; every tensor alive in the process, less the data set, the larger rank. Step times: "
         f"{len(next(iter(ranks[0]['seconds'].values())))} rounds of {results['steps']} steps (median of steps 3 and "
-        f"on, the slower rank). {results['started']}, load average {results['loadavg'][0]:.1f} at the end. Command: "
+        f"on, the slower rank). {results['started']}, commit {results.get('commit')}, load average "
+        f"{results['loadavg'][0]:.1f} at the end. Command: "
         f"`{results['command']}`.", "",
         "| run | formula | held / formula, before | after |", "|---|---|---|---|",
     ]

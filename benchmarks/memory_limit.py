@@ -301,7 +301,7 @@ def render(results: dict) -> str:
     the same model, the step time against the same run without a limit, and the run report's lines on the host
     budget and disk offload's sub-groups."""
     runs = results["runs"]
-    references = {r["model"]: _losses(r) for r in runs.values() if r["strategy"] == "ddp" and r["code"] == 0}
+    references = _references(runs)
     unlimited = {_kind(r): r for r in runs.values() if r["limit_gib"] is None and r["code"] == 0}
     models = results["models"]
     gpt, gpt2 = models["gpt"], models["gpt2"]
@@ -317,7 +317,7 @@ def render(results: dict) -> str:
         "(`strategy=auto`'s choice). Whole job: every process of the job and its page cache (the cgroup's peak). "
         f"Last command: `{results['command']}`, {results['started']}.", "",
         "| model | strategy | options | model built | limit (GiB) | outcome | whole job peak (GiB) | rank peaks (GiB) | "
-        "losses against DDP's | step time, steps 2-3 (s) | against no limit | commit |",
+        "losses against the reference | step time, steps 2-3 (s) | against no limit | commit |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():
@@ -332,7 +332,8 @@ def render(results: dict) -> str:
         step = _steady_step(run)
         base = unlimited.get(_kind(run))
         against = "-" if run["limit_gib"] is None or base is None else f"{step / _steady_step(base):.2f}x"
-        losses = _compare_losses(_losses(run), references.get(run["model"]), run["strategy"] == "ddp")
+        source, reference = references.get((run["model"], run["build"]), (None, None))
+        losses = _compare_losses(_losses(run), reference, name == source)
         lines.append(f"{head} trained | {_gib(run['job_peak'])} | {ranks} | {losses} | {step:.1f} | {against} | "
                      f"{run['commit']} |")
     reports = [(name, run["report"]) for name, run in runs.items() if run.get("report")]
@@ -340,6 +341,22 @@ def render(results: dict) -> str:
         lines += ["", "What rank 0's run report (ZeroMonitor) said:", ""]
         lines += [f"- {name}: " + "; ".join(report) for name, report in reports]
     return "\n".join(lines) + "\n"
+
+
+def _references(runs: dict) -> dict[tuple[str, str], tuple[str, list[list[float]]]]:
+    """The run each run's losses are compared with, and its losses, by (model, build): DDP's (an eager build); for a
+    build in ``configure_model`` DDP's too where in-memory zero3's equal them, else in-memory zero3's without a limit
+    (stage 3 materializes the model from the meta device, replaying each module's own initialization: the project's
+    GPT gets DDP's weights, transformers' GPT-2, which ``post_init`` initializes, others)."""
+    unlimited = {(r["model"], r["strategy"], r["build"]): (name, _losses(r)) for name, r in runs.items()
+                 if r["code"] == 0 and r["limit_gib"] is None and r["options"] == "defaults"}
+    references = {}
+    for (model, strategy, build), found in unlimited.items():
+        if strategy == "ddp":
+            references[model, "eager"] = found
+            zero3 = unlimited.get((model, "zero3", "configure_model"))
+            references[model, "configure_model"] = found if zero3 is None or zero3[1] == found[1] else zero3
+    return references
 
 
 def _kind(run: dict) -> tuple:
@@ -365,7 +382,7 @@ def _compare_losses(losses, reference, is_reference: bool) -> str:
     if is_reference:
         return "the reference: " + "; ".join(", ".join(f"{v:.6f}" for v in rank) for rank in losses)
     if reference is None:
-        return "no DDP run"
+        return "no reference run"
     if losses == reference:
         return "bitwise equal, every step and rank"
     pairs = [(a, b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs)]

@@ -57,9 +57,11 @@ def main(argv=None) -> int:
     rounds = [random.Random(r).sample(SETTINGS, len(SETTINGS)) for r in range(args.rounds)]
     started = time.strftime("%Y-%m-%d %H:%M")
     per_rank = run_on_ranks(lambda rank, world: _job(rounds, args.steps, args.workdir), 2, timeout_s=3600)
+    from memory_phases import git_commit
+
     results = dict(command=" ".join(["python", os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
-                   started=started, model=MODEL, batch=BATCH, steps=args.steps, rounds=rounds, ranks=per_rank,
-                   loadavg=os.getloadavg())
+                   started=started, commit=git_commit(), model=MODEL, batch=BATCH, steps=args.steps, rounds=rounds,
+                   ranks=per_rank, loadavg=os.getloadavg())
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
     with open(args.results, "w") as f:
         json.dump(results, f, indent=1)
@@ -124,7 +126,8 @@ def render(results: dict) -> str:
         f"GPTConfig(vocab_size={m['vocab_size']}, n_layer={m['n_layer']}, n_head={m['n_head']}, "
         f"d_model={m['d_model']}, seq_len={m['seq_len']}), fp32, AdamW, zero3_offload_disk, 2 CPU ranks (forked, "
         f"gloo), {results['batch']} sequences a rank and step, {results['steps']} steps a fit (the first not "
-        f"timed), {len(results['rounds'])} rounds of every setting in shuffled orders; {results['started']}, load "
+        f"timed), {len(results['rounds'])} rounds of every setting in shuffled orders; {results['started']}, commit "
+        f"{results.get('commit')}, load "
         f"average {results['loadavg'][0]:.1f} at the end. Command: `{results['command']}`.", "",
         "| sub-group (MiB) | resident | sub-groups | offloaded step, median (s) | against the best | CPU time (s) | "
         "against the best | resident buffers per rank (MiB) |",
