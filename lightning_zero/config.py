@@ -126,9 +126,11 @@ class Stage3Config:
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per
             unit collective, waited for before issuing only where a rank leaves the sequence of the steps before.
         buffer_pool_mb: on a host (not on CUDA, whose caching allocator reuses memory already), the gather and
-            reduction buffers kept across units hold at most this many MiB; ``None`` (default): twice the largest
-            unit's buffer (the root unit, gathered once a step, not counted); 0 keeps none. Counted in
-            ``model_state_bytes()`` as ``buffers``, and handed back at the end of each step.
+            reduction buffers kept across units hold at most this many MiB, and are kept from step to step too;
+            ``None`` (default): twice the largest unit's buffer (the root unit, gathered once a step, not counted),
+            handed back at the end of each step, so that a rank holds 16Ψ/N between steps; 0 keeps none. Counted
+            in ``model_state_bytes()`` as ``buffers``. A number trades memory for CPU time where steps are short
+            (BENCHMARKS.md, "What a rank holds after a step").
         quantize_weights: ZeRO++'s qwZ: each unit's all-gather in a step sends every rank's shard as int8, one fp32
             scale per block of 4096 elements (``sharding/quantize.py``), about a quarter of fp32's bytes and half of
             bf16's; every rank dequantizes the gathered payloads into the unit's working-dtype parameters. The fp32

@@ -4,7 +4,8 @@ process, tests/live_tensors.py), against ZeRO's formulas, on a Hugging Face GPT-
 25 MiB holds all of it. Before issue 38 zero3 held 1.215x its 16Ψ/N (its unit buffer pool kept two units' buffers
 between steps), zero1 in bf16-mixed 1.200x its 4Ψ + 12Ψ/N and zero2 1.222x its 2Ψ + 14Ψ/N (the gathers left in
 flight to the next forward held a bucket of every parameter, now only where that is at most 1/16 of them: see [Note:
-what the gathers in flight hold] in sharding/replicated.py; ``overlap_gather=True`` still trades it for the overlap).
+what the gathers in flight hold] in sharding/replicated.py; ``overlap_gather=True`` still trades it for the overlap,
+as ``buffer_pool_mb`` given trades zero3's for the buffers' allocations).
 The callback reads no parameters, so that gathers left in flight stay so when it counts.
 """
 
@@ -31,6 +32,7 @@ RUNS = {
     "zero1": ({"stage": 1}, "bf16-mixed", ZERO1, 1.10),
     "zero2": ({"stage": 2}, "bf16-mixed", lambda psi, n: 2 * psi + 14 * psi / n, 1.10),
     "zero1_overlap": ({"stage": 1, "overlap_gather": True}, "bf16-mixed", ZERO1, 1.25),
+    "zero3_pool": ({"stage": 3, "buffer_pool_mb": 8.0}, "32-true", lambda psi, n: 16 * psi / n, 1.25),
 }
 
 
@@ -82,6 +84,10 @@ def test_held_after_a_step_is_within_the_bound_of_zeros_formula(held, name):
             assert expected <= live <= bound * expected, live / expected
         if name == "zero1_overlap":  # the gathers in flight: the one bucket of every (bf16) parameter
             assert max(result["live"]) >= expected + 2 * result["psi"]
+        elif name == "zero3_pool":  # kept from step to step: two units' buffers (3.16 MB each), within the 8 MiB
+            unit = 4 * (12 * 256**2 + 13 * 256)
+            assert result["buffers"] == [2 * unit] * 3
+            assert expected + 2 * unit <= max(result["live"]) <= expected + 2 * unit + 256 * 2**10
         else:  # the unit buffer pool handed back at the step's end; the gathers complete before it ends
             assert result["buffers"] == [0, 0, 0]
             assert max(result["live"]) <= expected + 256 * 2**10
