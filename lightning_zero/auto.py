@@ -2,11 +2,13 @@
 the host offload options, then the disk offload ones.
 
 The choice is ``estimate.recommend``'s (see [Note: what the memory model counts] and [Note: offload in the memory
-model]) against a per-rank ``estimate.Budget``: on the device, on CPU ``AutoStrategy.budget_gb``, on CUDA the free
-memory of the run's devices, less ``reserve_gb`` either way; in host memory ``host_budget_gb``, by default the
-memory the kernel reports available (``MemAvailable``) shared by the node's ranks; on disk the free space of
-``offload_dir`` shared by the node's ranks. On CPU the device is host memory, so host offload cannot lower what a rank
-holds and only disk offload can help (``Budget.shared_host``). Hydra builds ``AutoStrategy`` for ``strategy=auto``
+model]) against a per-rank ``estimate.Budget``: on the device, on CUDA the free memory of the run's devices, on CPU
+``AutoStrategy.budget_gb`` or by default the host budget, less ``reserve_gb`` either way; in host memory
+``host_budget_gb``, by default the host budget: what the job may still take on this host, the smaller of
+``MemAvailable`` and its memory cgroup's limit less its usage (host_memory.py, [Note: the host budget]), shared by the
+node's ranks; on disk the free space of ``offload_dir`` shared by the node's ranks. On CPU the device is host memory,
+so host offload cannot lower what a rank holds and only disk offload can help (``Budget.shared_host``). The reason
+``choose`` gives names what bounds the host budget. Hydra builds ``AutoStrategy`` for ``strategy=auto``
 (conf/strategy/auto.yaml); the command then calls ``choose`` and ``build``.
 
 [Note: strategy=auto across ranks]
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_zero import estimate, link_model
 from lightning_zero.config import SUPPORTED_STAGES
+from lightning_zero.host_memory import HostMemory, host_memory
 
 if TYPE_CHECKING:
     from lightning_zero.models.language_model import ParameterCounts
@@ -55,11 +58,12 @@ class AutoStrategy:
     """``strategy=auto``: the least complex option whose model states fit each device (``estimate.recommend``).
 
     Args:
-        budget_gb: per-device budget in GiB when running on CPU. On CUDA the free memory of the run's devices is used.
+        budget_gb: per-device budget in GiB when running on CPU; ``None``: the host budget per rank (the device is
+            host memory). On CUDA the free memory of the run's devices is used.
         reserve_gb: GiB kept for activations and workspace, subtracted from the budget on CPU and CUDA alike.
         offload: also consider the offload options when nothing fits the device (host first, then disk).
-        host_budget_gb: host memory per rank in GiB for host offload; ``None``: the memory available on this machine
-            (``MemAvailable``) divided by its ranks.
+        host_budget_gb: host memory per rank in GiB for host offload; ``None``: the host budget (the smaller of
+            ``MemAvailable`` and the job's cgroup limit less its usage: host_memory.py) divided by the node's ranks.
         offload_dir: the directory disk offload would write into (its free space, divided by the node's ranks, is the
             disk budget), passed to the chosen strategy; ``None``: the system's temporary directory.
         bucket_mb, start_method: passed to the chosen strategy.
@@ -74,7 +78,7 @@ class AutoStrategy:
             ``None``: from the step ``measure`` times.
     """
 
-    budget_gb: float = 4.0
+    budget_gb: float | None = None
     reserve_gb: float = 0.0
     offload: bool = True
     host_budget_gb: float | None = None
@@ -86,7 +90,8 @@ class AutoStrategy:
     step_s: float | None = None
 
     def __post_init__(self) -> None:
-        _check_amount("budget_gb", self.budget_gb, "GiB", zero_allowed=False)
+        if self.budget_gb is not None:
+            _check_amount("budget_gb", self.budget_gb, "GiB", zero_allowed=False)
         if self.link_gbps is not None:
             _check_amount("link_gbps", self.link_gbps, "Gbit/s", zero_allowed=False)
         if self.step_s is not None:
@@ -151,20 +156,21 @@ def choose(
     indexes = run_devices(accelerator, devices)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise AutoStrategyError(f"trainer.num_nodes={num_nodes!r} is invalid: it must be an int > 0")
-    budget = rank_budget(auto, accelerator, indexes)
+    host = host_memory()
     recommendation = estimate.recommend(
         counts.total,
         len(indexes) * num_nodes,
-        budget,
+        rank_budget(auto, accelerator, indexes, host),
         precision,
         auto.bucket_mb,
         counts.trainable,
         options=available_options(auto.offload),
         peak=step,
     )
+    reason = f"{recommendation.explain()}; host budget: {host.describe(len(indexes))}"
     if recommendation.choice is None:
-        raise AutoStrategyError(f"strategy=auto: {recommendation.explain()}")
-    choice = AutoChoice(recommendation.choice, recommendation.explain())
+        raise AutoStrategyError(f"strategy=auto: {reason}")
+    choice = AutoChoice(recommendation.choice, reason)
     if auto.link_gbps is None or num_nodes == 1:
         return choice
     return between_nodes(auto, recommendation, counts, precision, len(indexes), num_nodes, step)
@@ -298,16 +304,14 @@ def run_devices(accelerator: str, devices: Any) -> list[int]:
     return list(indexes)
 
 
-def rank_budget(auto: AutoStrategy, accelerator: str, devices: list[int]) -> estimate.Budget:
-    """What one rank may hold on its device, in host memory and on disk (the last two only with ``auto.offload``)."""
-    device = device_budget(auto, accelerator, devices)
+def rank_budget(auto: AutoStrategy, accelerator: str, devices: list[int], host: HostMemory) -> estimate.Budget:
+    """What one rank may hold on its device, in host memory and on disk (the last two only with ``auto.offload``);
+    ``host`` is the job's host budget, shared by the node's ranks."""
+    local_ranks = max(1, len(devices))
+    device = device_budget(auto, accelerator, devices, host.per_rank(local_ranks))
     if not auto.offload:
         return estimate.Budget(device)
-    local_ranks = max(1, len(devices))
-    if auto.host_budget_gb is not None:
-        host = int(auto.host_budget_gb * 2**30)
-    else:
-        host = available_host_bytes() // local_ranks
+    host = int(auto.host_budget_gb * 2**30) if auto.host_budget_gb is not None else host.per_rank(local_ranks)
     where = auto.offload_dir if auto.offload_dir is not None else tempfile.gettempdir()
     try:
         disk = shutil.disk_usage(where).free // local_ranks
@@ -316,21 +320,13 @@ def rank_budget(auto: AutoStrategy, accelerator: str, devices: list[int]) -> est
     return estimate.Budget(device, max(1, host), disk or None, shared_host=not _on_cuda(accelerator))
 
 
-def available_host_bytes() -> int:
-    """Memory the kernel can give without swapping (``MemAvailable``), else the free physical pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def device_budget(auto: AutoStrategy, accelerator: str, devices: list[int]) -> int:
-    """Bytes of model states one device may hold: the CPU budget or the least free CUDA memory, less the reserve."""
-    budget = min(cuda_free_bytes(d) for d in devices) if _on_cuda(accelerator) else auto.budget_gb * 2**30
+def device_budget(auto: AutoStrategy, accelerator: str, devices: list[int], host_per_rank: int) -> int:
+    """Bytes of model states one device may hold, less the reserve: the least free CUDA memory, or on CPU
+    ``budget_gb`` or else ``host_per_rank``, the rank's share of the host budget."""
+    if _on_cuda(accelerator):
+        budget = min(cuda_free_bytes(d) for d in devices)
+    else:
+        budget = auto.budget_gb * 2**30 if auto.budget_gb is not None else host_per_rank
     budget -= auto.reserve_gb * 2**30
     if budget <= 0:
         raise AutoStrategyError(

@@ -59,6 +59,13 @@ class CommConfig:
             every training forward, as ``DistributedDataParallel`` does by default.
         shortcut_single_rank: with one rank there is nothing to communicate and no collective is issued; ``False``
             issues them anyway (to run every NCCL call on a single GPU, or to measure what they cost).
+        overlap_gather: stages 1 and 2: leave the all-gathers of the updated parameters in flight after the step,
+            completed bucket by bucket in the next forward, where they overlap compute; their buffers are held from
+            the step to the next forward (sharding/replicated.py, [Note: what the gathers in flight hold]).
+            ``None`` (default): only where they hold at most 1/16 of the parameters (``MAX_IN_FLIGHT`` buckets of
+            ``bucket_mb`` against a model of at least 800 MiB of parameters at 25 MiB), so that a rank holds within
+            6.3% of ZeRO's formula after a step; otherwise they complete before the step returns. ``True`` always
+            (faster on a host: BENCHMARKS.md), ``False`` never.
         quantize_grads: ZeRO++'s qgZ: ``"int4"`` or ``"int8"`` reduces each gradient bucket as block-quantized
             payloads (one fp32 scale per 4096 elements) in two all-to-alls, inside the node then across nodes,
             dequantized before each fp32 sum (collectives.py, [Note: the quantized reduce-scatter]): int4 sends about
@@ -72,6 +79,7 @@ class CommConfig:
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     shortcut_single_rank: bool = True
+    overlap_gather: bool | None = None
     quantize_grads: str | None = None
 
     def __post_init__(self) -> None:
@@ -82,6 +90,9 @@ class CommConfig:
             allowed = ", ".join(repr(k) for k in (None, *DTYPES))
             raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid: allowed values are {allowed}")
         _check_bool(self, "find_unused_parameters", "broadcast_buffers", "shortcut_single_rank")
+        if self.overlap_gather is not None and not isinstance(self.overlap_gather, bool):
+            raise ZeroConfigError(f"overlap_gather={self.overlap_gather!r} is invalid: it must be true, false or null "
+                                  "(where its buffers are small against the parameters)")
         if self.quantize_grads is not None and self.quantize_grads not in tuple(GRAD_QUANTIZATIONS):
             allowed = ", ".join(repr(k) for k in (None, *GRAD_QUANTIZATIONS))
             raise ZeroConfigError(f"quantize_grads={self.quantize_grads!r} is invalid: allowed values are {allowed}")
@@ -118,9 +129,11 @@ class Stage3Config:
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per
             unit collective, waited for before issuing only where a rank leaves the sequence of the steps before.
         buffer_pool_mb: on a host (not on CUDA, whose caching allocator reuses memory already), the gather and
-            reduction buffers kept across units and steps hold at most this many MiB; ``None`` (default): twice the
-            largest unit's buffer (the root unit, gathered once a step, not counted); 0 keeps none. Counted in
-            ``model_state_bytes()`` as ``buffers``.
+            reduction buffers kept across units hold at most this many MiB, and are kept from step to step too;
+            ``None`` (default): twice the largest unit's buffer (the root unit, gathered once a step, not counted),
+            handed back at the end of each step, so that a rank holds 16Ψ/N between steps; 0 keeps none. Counted
+            in ``model_state_bytes()`` as ``buffers``. A number trades memory for CPU time where steps are short
+            (BENCHMARKS.md, "What a rank holds after a step").
         quantize_weights: ZeRO++'s qwZ: each unit's all-gather in a step sends every rank's shard as int8, one fp32
             scale per block of 4096 elements (``sharding/quantize.py``), about a quarter of fp32's bytes and half of
             bf16's; every rank dequantizes the gathered payloads into the unit's working-dtype parameters. The fp32
@@ -252,16 +265,19 @@ class OffloadConfig:
             to the device with each unit's all-gather; ``"disk"`` keeps them in files under ``offload_dir``.
         offload_dir: the directory disk offload writes into (a private subdirectory is created and removed at the
             end); ``None`` uses the system's temporary directory.
-        offload_subgroup_mb: disk offload streams the states of this many MiB of parameters at a time.
+        offload_subgroup_mb: disk offload streams the states of this many MiB of parameters (fp32 masters) at a time;
+            ``None`` (default): chosen at set-up from the rank's host budget and the model, at least 8 MiB and at
+            most 256 MiB (offload/sizing.py, [Note: sizing disk offload's sub-groups]).
         offload_resident_subgroups: how many sub-groups disk offload holds in host memory at once (the one
-            stepping, the ones being read ahead or written back): bounds host memory to about this many sub-groups.
+            stepping, the ones being read ahead or written back): bounds host memory to about this many sub-groups;
+            ``None`` (default): 2, or 3 where the host budget holds three of the largest sub-groups.
     """
 
     offload_optimizer: str | None = None
     offload_params: str | None = None
     offload_dir: str | None = None
-    offload_subgroup_mb: float = 256.0
-    offload_resident_subgroups: int = 3
+    offload_subgroup_mb: float | None = None
+    offload_resident_subgroups: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("offload_optimizer", "offload_params"):
@@ -281,17 +297,18 @@ class OffloadConfig:
             )
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ZeroConfigError(f"offload_dir={self.offload_dir!r} is invalid: it must be a directory path")
-        _check_mib("offload_subgroup_mb", self.offload_subgroup_mb)
+        if self.offload_subgroup_mb is not None:
+            _check_mib("offload_subgroup_mb", self.offload_subgroup_mb)
         resident = self.offload_resident_subgroups
-        if isinstance(resident, bool) or not isinstance(resident, int) or resident < 2:
+        if resident is not None and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 2):
             raise ZeroConfigError(
                 f"offload_resident_subgroups={resident!r} is invalid: it must be an integer >= 2 (one stepping, one "
-                "read ahead)"
+                "read ahead), or null (chosen from the host budget)"
             )
 
     @property
-    def subgroup_bytes(self) -> int:
-        return max(1, int(self.offload_subgroup_mb * 2**20))
+    def subgroup_bytes(self) -> int | None:
+        return None if self.offload_subgroup_mb is None else max(1, int(self.offload_subgroup_mb * 2**20))
 
     @property
     def on_disk(self) -> bool:

@@ -26,14 +26,15 @@ in fp32 runs too, and the two moments), in host memory (``_offload``) or in file
 stage 3 possibly the parameter shards too (``zero3_offload_params``: host; ``zero3_offload_disk``: disk). ZeRO-Offload
 stage 2 in 16-bit: 2Ψ + 2Ψ/N on the device, 12Ψ/N on the host. Besides the states, offload holds host buffers
 (``MemoryEstimate.host_buffers``): one staging copy of the gradient shards (w Ψ_t/N, w the working bytes) and, when
-the working parameters stay on the device, one of the updated rows (w Ψ_t/N) (pinned on CUDA; a CPU run holds
-neither, its gradients being in host memory already: counted anyway, the estimate errs on the safe side); disk
-offload adds the sub-groups it keeps resident (``offload_resident_subgroups`` x ``offload_subgroup_mb`` of fp32
-masters, with their moments and parameter rows: 12 (+ w) bytes per 4 of master), at most everything it has on disk.
-In a run whose training device is the host (CPU), disk offload of stage 2 or 3 also keeps the gradient shards in
-files (``host_run``), and reads them with their sub-group. ``recommend`` checks
-the device budget against the device bytes and buckets, the host budget against the host states and buffers, the disk
-budget against the files.
+the working parameters stay on the device, one of the updated rows (w Ψ_t/N) (pinned on CUDA; a run whose training
+device is the host, ``host_run``, holds neither, its gradients being in host memory already); disk offload adds the
+sub-groups it keeps resident (``offload_resident_subgroups`` x ``offload_subgroup_mb`` of fp32 masters, with their
+moments and parameter rows: 12 (+ w) bytes per 4 of master), at most everything it has on disk, sized from the
+rank's host budget when the options leave them open (offload/sizing.py, [Note: sizing disk offload's sub-groups]).
+In a host run, disk offload of stage 2 or 3 also keeps the gradient shards in files, and reads them with their
+sub-group (w more bytes per 4 of master). ``recommend`` checks the device budget against the device bytes and
+buckets, the host budget against the host states and buffers, the disk budget against the files; a budget whose
+device is host memory (``Budget.shared_host``) is a host run's.
 
 [Note: the peak of a run]
 What a rank holds at its peak is more than its model states, and a run meets its peak in one of its phases
@@ -81,6 +82,7 @@ import math
 from dataclasses import dataclass, replace
 
 from lightning_zero import config
+from lightning_zero.offload.sizing import SubgroupPlan, per_master_byte, plan_subgroups
 from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT
 from lightning_zero.sharding.quantize import DEFAULT_BLOCK_SIZE, INTRA_NODE_BITS, BlockFormat
 from lightning_zero.step_measure import StepMeasure
@@ -168,6 +170,8 @@ class MemoryEstimate:
     #: What the run's peak holds beyond the model states and buckets (``with_peak``: the process baseline,
     #: activations, gathered units, the optimizer's workspace, the eager model); 0 when no step was measured.
     workspace: int = 0
+    #: Disk offload: its sub-groups' size and resident count, given or chosen (``host_buffers`` counts them).
+    subgroups: SubgroupPlan | None = None
 
     @property
     def model_states(self) -> int:
@@ -302,11 +306,12 @@ def estimate(
     trainable_params: int | None = None,
     offload: config.OffloadConfig | None = None,
     host_run: bool = False,
+    host_budget: int | None = None,
 ) -> MemoryEstimate:
     """Model-state bytes per rank for ``option`` (see [Note: what the memory model counts] and [Note: offload in the
-    memory model]); ``offload`` gives disk offload's sub-group settings (default: ``OffloadConfig()``'s);
-    ``host_run``: the training device is the host (a CPU run), where disk offload keeps the gradient shards in files
-    too."""
+    memory model]); ``offload`` gives disk offload's sub-group settings (default: ``OffloadConfig()``'s, chosen from
+    ``host_budget``, the rank's host memory, when known); ``host_run``: the training device is the host (a CPU run),
+    which stages nothing and where disk offload keeps the gradient shards in files too."""
     _check_choice("option", option, OPTIONS)
     _check_choice("precision", precision, PRECISIONS)
     trainable = _check_counts(num_params, ranks, trainable_params)
@@ -335,20 +340,24 @@ def estimate(
         buckets=0 if option == "ddp" else min(int(bucket_mb * 2**20), param_b * num_params),
         host=placed["cpu"],
         disk=placed["disk"],
-        host_buffers=_host_buffers(layout, param_b, optim_elements, placed["disk"], offload or config.OffloadConfig()),
+        **_host_buffers(layout, param_b, optim_elements, offload or config.OffloadConfig(), host_run, host_budget),
     )
 
 
-def _host_buffers(layout: Layout, working: int, elements: int, on_disk: int, offload: config.OffloadConfig) -> int:
-    """Offload's staging copies and disk offload's resident sub-groups (see [Note: offload in the memory model])."""
+def _host_buffers(layout: Layout, working: int, elements: int, offload: config.OffloadConfig, host_run: bool,
+                  host_budget: int | None) -> dict:
+    """Offload's staging copies and disk offload's resident sub-groups, and their plan (see [Note: offload in the
+    memory model])."""
     if layout.offload_optimizer is None:
-        return 0
-    staging = working * elements * (1 if layout.offload_params is not None else 2)
+        return {}
+    staging = 0 if host_run else working * elements * (1 if layout.offload_params is not None else 2)
     if layout.offload_optimizer != "disk":
-        return staging
-    per_master_byte = (12 + (working if layout.offload_params == "disk" else 0)) / 4
-    resident = int(offload.offload_resident_subgroups * offload.subgroup_bytes * per_master_byte)
-    return staging + min(resident, on_disk)
+        return {"host_buffers": staging}
+    rows = working if layout.offload_params == "disk" else 0
+    grads = working if host_run and layout.stage >= 2 else 0  # gradient shards in files, read with their sub-group
+    per_byte = per_master_byte(rows, grads)
+    plan = plan_subgroups(offload, 4 * elements, per_byte, host_budget)
+    return {"host_buffers": staging + plan.buffer_bytes(per_byte, masters_bytes=4 * elements), "subgroups": plan}
 
 
 def estimate_all(
@@ -359,8 +368,11 @@ def estimate_all(
     trainable_params: int | None = None,
     options: tuple[str, ...] = OPTIONS,
     offload: config.OffloadConfig | None = None,
+    host_run: bool = False,
+    host_budget: int | None = None,
 ) -> tuple[MemoryEstimate, ...]:
-    return tuple(estimate(o, num_params, ranks, precision, bucket_mb, trainable_params, offload) for o in options)
+    return tuple(estimate(o, num_params, ranks, precision, bucket_mb, trainable_params, offload, host_run, host_budget)
+                 for o in options)
 
 
 def recommend(
@@ -387,12 +399,16 @@ def recommend(
         budget = Budget(budget)
     ordered = tuple(o for o in OPTIONS if o in options)
 
+    host_budget = budget.device if budget.shared_host else budget.host
+
     def estimate_at(option: str, n: int) -> MemoryEstimate:
-        e = estimate(option, num_params, n, precision, bucket_mb, trainable_params, offload)
+        e = estimate(option, num_params, n, precision, bucket_mb, trainable_params, offload, budget.shared_host,
+                     host_budget)
         if peak is None:
             return e
         return with_peak(e, peak_estimate(option, num_params, n, peak.measure, peak.batch, precision, bucket_mb,
-                                          trainable_params, offload, peak.eager, shared_host=budget.shared_host))
+                                          trainable_params, offload, peak.eager, shared_host=budget.shared_host,
+                                          host_budget=host_budget))
 
     estimates = tuple(estimate_at(o, ranks) for o in ordered)
     for e in estimates:
@@ -451,22 +467,21 @@ def peak_estimate(
     prefetch: int = 1,
     shared_host: bool = True,
     hpz_group_size: int | None = None,
+    host_budget: int | None = None,
 ) -> PeakEstimate:
     """The peak memory per rank in each phase of a run of ``option`` (see [Note: the peak of a run]): ``measure``
     is one measured step of the model (``step_measure.measure_step``), ``batch`` the sequences per rank and step,
     ``eager`` whether the model is built in full before setup (in ``__init__``; stage 3 under ``configure_model``
-    materializes shards only), ``shared_host`` whether the device is host memory (a CPU run), ``hpz_group_size``
+    materializes shards only), ``shared_host`` whether the device is host memory (a CPU run), ``host_budget`` the
+    rank's host memory disk offload sizes its sub-groups from (when ``offload`` leaves them open), ``hpz_group_size``
     zero3's hpZ: its secondary shards, ``b / K2`` of every unit's elements (the root unit's measured apart keeps
     none), held from the forward to the backward, are part of the step."""
-    e = estimate(option, num_params, ranks, precision, bucket_mb, trainable_params, offload)
+    e = estimate(option, num_params, ranks, precision, bucket_mb, trainable_params, offload, shared_host, host_budget)
     layout = LAYOUTS[option]
     trainable = _check_counts(num_params, ranks, trainable_params)
     optim_elements = _elements_per_rank(trainable, ranks, layout.stage >= 1)
     working = _bytes_per_element(precision)[0]
-    in_memory = e.model_states - e.disk + (e.host_buffers - _staging(e, layout, working, optim_elements)
-                                          if shared_host else 0)
-    if not shared_host:
-        in_memory = e.device - e.buckets
+    in_memory = e.model_states - e.disk + e.host_buffers if shared_host else e.device - e.buckets
     unit = measure.unit_elements * working
     received = unit * (ranks - 1) // ranks if shared_host else -(-unit // ranks)
     terms = {
@@ -528,13 +543,6 @@ def with_peak(e: MemoryEstimate, peak: PeakEstimate) -> MemoryEstimate:
     memory and ``peak`` counted both) are ``peak``'s peak."""
     counted = e.device + (e.host_total if peak.shared_host else 0)
     return replace(e, workspace=max(0, peak.peak - counted))
-
-
-def _staging(e: MemoryEstimate, layout: Layout, working: int, elements: int) -> int:
-    """The staging part of ``e.host_buffers``: a CPU run holds none (its gradients are host memory already)."""
-    if layout.offload_optimizer is None:
-        return 0
-    return working * elements * (1 if layout.offload_params is not None else 2)
 
 
 def communication_bytes(

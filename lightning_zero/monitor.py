@@ -53,7 +53,9 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_zero import estimate
 from lightning_zero.config import PER_NODE, ZeroConfig
+from lightning_zero.host_memory import host_memory
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.offload.sizing import SubgroupPlan
 
 _DDP_PRECISION = "32-true"  # DDP's figure is reported in fp32-Adam terms whatever the run's precision (16Ψ)
 
@@ -99,6 +101,9 @@ class MonitorSummary:
     #: Where an optimizer owns whole parameters (sharding/ownership.py): each rank's optimizer-state bytes, whose
     #: spread is the assignment's imbalance.
     optimizer_per_rank: tuple[int, ...] | None = None
+    #: The host budget as training started (host_memory.py: what bounds it), and disk offload's sub-groups.
+    host_budget: str | None = None
+    offload_subgroups: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -180,12 +185,14 @@ class ZeroMonitor(pl.Callback):
         self._items = 0
         self._last_global_step = 0
         self._unit = "samples/s"
+        self._host_budget: str | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.summary, self._steps, self._timing, self._held, self._owned_state = None, [], [], None, None
         self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
         device = trainer.strategy.root_device
         self._clock = _CudaClock(device) if device.type == "cuda" else _HostClock()
+        self._host_budget = host_memory().describe(trainer.num_devices)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -217,9 +224,8 @@ class ZeroMonitor(pl.Callback):
             self._read_finished_steps()
         if not self._steps or self._held is None:
             return
-        self.summary = _summarize(trainer, pl_module, self._held, self._steps, self._unit)
-        if self._owned_state is not None:
-            self.summary = dataclasses.replace(self.summary, optimizer_per_rank=self._owned_state)
+        self.summary = dataclasses.replace(_summarize(trainer, pl_module, self._held, self._steps, self._unit),
+                                           host_budget=self._host_budget, optimizer_per_rank=self._owned_state)
         self._write_summary()
 
     def report(self) -> str:
@@ -318,6 +324,10 @@ def format_report(s: MonitorSummary) -> str:
         versus = f" (model, between shard groups: {fmt(ideal)}, ratio {s.cross_bytes_per_step / ideal:.2f})" if (
             ideal) else ""
         lines.append(f"  of it sent to other nodes: {fmt(s.cross_bytes_per_step)}{versus}")
+    if s.host_budget is not None:
+        lines.append(f"  host budget as training started: {s.host_budget}")
+    if s.offload_subgroups is not None:
+        lines.append(f"  disk offload: {s.offload_subgroups}")
     if s.throughput is not None:
         lines.append(
             f"  throughput: {s.throughput:,.0f} {s.throughput_unit} over all ranks "
@@ -345,12 +355,17 @@ def _summarize(
     model = placement = None
     bucket_bytes = 0
     config = getattr(trainer.strategy, "config", None)
+    plan = _subgroup_plan(trainer.strategy)
     if option in estimate.LAYOUTS and precision in estimate.PRECISIONS:
         bucket_mb = config.comm.bucket_mb if option.startswith("zero") else 0.0
+        offload = getattr(config, "offload", None)
+        if plan is not None:  # the sizes the run chose
+            offload = dataclasses.replace(offload, offload_subgroup_mb=plan.subgroup_bytes / 2**20,
+                                          offload_resident_subgroups=plan.resident)
         # Under hybrid sharding a rank holds what a flat run over its group would: see [Note: the monitor under
         # hybrid sharding].
-        e = estimate.estimate(option, num_params, group or n, precision, bucket_mb, trainable,
-                              getattr(config, "offload", None), host_run=trainer.strategy.root_device.type == "cpu")
+        e = estimate.estimate(option, num_params, group or n, precision, bucket_mb, trainable, offload,
+                              host_run=trainer.strategy.root_device.type == "cpu")
         model, bucket_bytes = (e.params, e.grads, e.optimizer), e.buckets
         placement = (e.device - e.buckets, e.host, e.disk)  # model states only, as measured
     ddp = estimate.estimate("ddp", num_params, n, _DDP_PRECISION, 0.0, trainable)
@@ -390,7 +405,16 @@ def _summarize(
         shard_group_size=group,
         cross_bytes_per_step=int(statistics.median(cross)) if cross else None,
         ideal_cross_bytes_per_step=ideal_cross,
+        offload_subgroups=plan.describe() if plan is not None else None,
     )
+
+
+def _subgroup_plan(strategy: pl.strategies.Strategy) -> SubgroupPlan | None:
+    """Disk offload's sub-group sizes as the run chose them (offload/sizing.py), or None without disk offload."""
+    config = getattr(strategy, "config", None)
+    if not isinstance(config, ZeroConfig) or not config.offload.on_disk:
+        return None
+    return getattr(strategy.runtime.offload, "plan", None)
 
 
 def _shard_group_size(strategy: pl.strategies.Strategy, world_size: int) -> int | None:

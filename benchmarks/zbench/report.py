@@ -554,6 +554,9 @@ def render(results: dict, summary: dict, plot_rel: str | None, out_dir: str | No
         lines += memory_section()
     if os.path.exists(LIMIT_RESULTS) and not results.get("quick"):
         lines += limit_section()
+    for section, path in ((held_section, HELD_RESULTS), (subgroups_section, SUBGROUPS_RESULTS)):
+        if os.path.exists(path) and not results.get("quick"):
+            lines += section()
     if os.path.exists(ZEROPP_RESULTS) and not results.get("quick"):
         lines += zeropp_section(out_dir)
     if os.path.exists(NODES_RESULTS) and not results.get("quick"):
@@ -586,18 +589,51 @@ LIMIT_RESULTS = os.path.join(HERE, "results", "memory_limit.json")
 
 
 def limit_section() -> list[str]:
-    """The last ``benchmarks/memory_limit.py`` run (a model that does not fit, under one memory limit)."""
-    import json
+    """The last ``benchmarks/memory_limit.py`` runs (a model that does not fit, under one memory limit)."""
+    return _rendered_section(
+        "A model that does not fit, under one memory limit (`benchmarks/memory_limit.py`)", LIMIT_RESULTS,
+        "memory_limit",
+        "A 303M-parameter fp32 GPT, the project's own and transformers' GPT-2 built from its config, whose in-memory "
+        "ZeRO-3 model states (4.51 GiB for 2 ranks) exceed the limit set on the whole job (every process and its page "
+        "cache, in one cgroup, as a host with that much memory would hold it): `zero3_offload_disk` with its defaults "
+        "and with options tuned by hand, against in-memory `zero3`, DDP and `strategy=auto`'s choice. Its own runs, "
+        "separate from the timings above.")
 
-    from memory_limit import render
 
-    with open(LIMIT_RESULTS) as f:
-        text = render(json.load(f))
-    return ["## A model that does not fit, under one memory limit (`benchmarks/memory_limit.py`)", "",
-            "A 303M-parameter fp32 GPT whose in-memory ZeRO-3 model states (4.51 GiB for 2 ranks) exceed the limit "
-            "set on the whole job (every process and its page cache, in one cgroup, as a host with that much memory "
-            "would hold it): `zero3_offload_disk` against in-memory `zero3` and DDP. Its own run, separate from the "
-            "timings above.", "", text.rstrip(), ""]
+HELD_RESULTS = os.path.join(HERE, "results", "held_after_step.json")
+
+
+def held_section() -> list[str]:
+    """The last ``benchmarks/held_after_step.py`` run (what a rank holds after a step, and the step time it costs)."""
+    return _rendered_section(
+        "What a rank holds after a step (`benchmarks/held_after_step.py`)", HELD_RESULTS, "held_after_step",
+        "Every tensor alive in a rank after each step, with default options, against ZeRO's formulas, before issue 38 "
+        "(zero3's unit buffer pool kept between steps; zero1/zero2's parameter all-gathers left in flight to the next "
+        "forward whatever they hold, what `overlap_gather=True` still does) and after (the pool handed back at each "
+        "step's end; the gathers left in flight only where their buffers are at most 1/16 of the parameters), and "
+        "the step times of both. Its own run.")
+
+
+SUBGROUPS_RESULTS = os.path.join(HERE, "results", "offload_subgroups.json")
+
+
+def subgroups_section() -> list[str]:
+    """The last ``benchmarks/offload_subgroups.py`` run (disk offload's step against its sub-group size)."""
+    return _rendered_section(
+        "Disk offload's sub-group size (`benchmarks/offload_subgroups.py`)", SUBGROUPS_RESULTS, "offload_subgroups",
+        "The offloaded step (reads, the fused AdamW, write-backs) against the sub-group size and the resident count: "
+        "where a smaller sub-group starts to cost time is the floor disk offload's sizing from the host budget keeps "
+        "to (`MIN_SUBGROUP_MB`, `lightning_zero/offload/sizing.py`). Its own run.")
+
+
+def _rendered_section(title: str, results: str, module: str, intro: str) -> list[str]:
+    """A section of BENCHMARKS.md: ``intro``, then the ``results`` file rendered by ``render`` of the benchmark
+    script ``module``."""
+    import importlib
+
+    with open(results) as f:
+        text = importlib.import_module(module).render(json.load(f))
+    return [f"## {title}", "", intro, "", text.rstrip(), ""]
 
 
 ZEROPP_RESULTS = os.path.join(HERE, "results", "zeropp.json")

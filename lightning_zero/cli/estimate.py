@@ -11,7 +11,7 @@ import tempfile
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero import estimate
-from lightning_zero.auto import available_host_bytes
+from lightning_zero.host_memory import HostMemory, host_memory
 from lightning_zero.cli.compose import compose, instantiate
 from lightning_zero.cli.errors import UsageError
 
@@ -37,14 +37,16 @@ def add_estimate(subcommands: argparse._SubParsersAction) -> None:
         "--budget-gb",
         type=float,
         default=None,
-        help="per-device budget in GiB (2^30 bytes); default: the free memory of GPU 0 when there is one",
+        help="per-device budget in GiB (2^30 bytes); default: the free memory of GPU 0 when there is one, else the "
+        "host budget per rank (the device is host memory)",
     )
     parser.add_argument(
         "--host-budget-gb",
         type=float,
         default=None,
-        help="host memory per rank in GiB for the offload options; default: this machine's available memory "
-        "(MemAvailable) divided by --ranks-per-node",
+        help="host memory per rank in GiB for the offload options; default: the host budget divided by "
+        "--ranks-per-node: the smaller of this machine's available memory (MemAvailable) and the limit of the memory "
+        "cgroup this command runs in less its usage",
     )
     parser.add_argument(
         "--disk-budget-gb",
@@ -128,13 +130,13 @@ def estimate_command(args: argparse.Namespace) -> int:
         options = estimate.IN_DEVICE_OPTIONS if args.no_offload else estimate.OPTIONS
         if group is not None:
             options = tuple(o for o in options if estimate.LAYOUTS[o].stage >= 1)
-        budget = _rank_budget(args, ranks)
-        estimates = estimate.estimate_all(total, ranks, args.precision, args.bucket_mb, trainable, options)
-        recommendation = (
-            estimate.recommend(total, ranks, budget, args.precision, args.bucket_mb, trainable, options, peak=peak)
-            if budget is not None
-            else None
-        )
+        estimate.estimate_all(total, ranks, args.precision, args.bucket_mb, trainable, options)  # bad input first
+        budget, host, per_node = _rank_budget(args, ranks)
+        estimates = estimate.estimate_all(total, ranks, args.precision, args.bucket_mb, trainable, options,
+                                          host_run=budget.shared_host,
+                                          host_budget=budget.device if budget.shared_host else budget.host)
+        recommendation = estimate.recommend(total, ranks, budget, args.precision, args.bucket_mb, trainable, options,
+                                            peak=peak)
         shared_host = not _on_cuda()
         peaks = [
             estimate.peak_estimate(o, total, ranks, peak.measure, peak.batch, args.precision, args.bucket_mb,
@@ -144,6 +146,11 @@ def estimate_command(args: argparse.Namespace) -> int:
     except estimate.EstimateError as err:
         raise UsageError(str(err)) from None
     print(format_table(what, total, trainable, ranks, args.precision, estimates, budget))
+    print(f"host budget: {host.describe(per_node)}")
+    planned = [e for e in estimates if e.subgroups is not None]  # the recommended option's, else the last one's
+    disk = next((e for e in planned if e.option == recommendation.choice), planned[-1] if planned else None)
+    if disk is not None:
+        print(f"disk offload ({disk.option}): {disk.subgroups.describe()}")
     if group is not None:
         print("\n" + format_hybrid(total, trainable, world, group, args.precision, options, args.quantize_weights))
     if hpz is not None:
@@ -156,13 +163,10 @@ def estimate_command(args: argparse.Namespace) -> int:
         print("\n" + format_peaks(peaks, peak))
     if args.link_gbps is not None:
         print("\n" + format_link(args, total, trainable, world, peak, recommendation))
-    if recommendation is None:
-        print("\nno budget given (--budget-gb) and no GPU: no recommendation")
-    else:
-        print(f"\nrecommendation: {recommendation.explain()}")
-        if recommendation.choice is not None:
-            registered = frozenset(StrategyRegistry.available_strategies())
-            print(f"select it with: {estimate.how_to_select(recommendation.choice, registered)}")
+    print(f"\nrecommendation: {recommendation.explain()}")
+    if recommendation.choice is not None:
+        registered = frozenset(StrategyRegistry.available_strategies())
+        print(f"select it with: {estimate.how_to_select(recommendation.choice, registered)}")
     return 0
 
 
@@ -317,21 +321,23 @@ def _on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _rank_budget(args: argparse.Namespace, ranks: int) -> estimate.Budget | None:
-    """The device budget, and with offload the host and disk budgets per rank (None: no device budget known)."""
-    device = _estimate_budget(args.budget_gb)
-    if device is None:
-        return None
-    if args.no_offload:
-        return estimate.Budget(device)
-    # A measured peak on the CPU counts every byte of the process: there the device is host memory.
-    shared_host = args.measure and not _on_cuda()
+def _rank_budget(args: argparse.Namespace, ranks: int) -> tuple[estimate.Budget, HostMemory, int]:
+    """The device budget, and with offload the host and disk budgets per rank; the host budget and the ranks that
+    share it. On CPU, without ``--budget-gb``, the device is host memory: its budget is the host budget's share,
+    against which host and device bytes count together."""
     per_node = args.ranks_per_node if args.ranks_per_node is not None else ranks
     if per_node < 1:
         raise UsageError(f"--ranks-per-node={per_node} is invalid: it must be an integer >= 1")
-    host = _gib_argument("--host-budget-gb", args.host_budget_gb)
-    if host is None:
-        host = max(1, available_host_bytes() // per_node)
+    device = _estimate_budget(args.budget_gb)
+    machine = host_memory()
+    host_share = machine.per_rank(per_node)
+    # A measured peak on the CPU counts every byte of the process: there the device is host memory.
+    shared_host = (args.measure or device is None) and not _on_cuda()
+    if device is None:
+        device = host_share
+    if args.no_offload:
+        return estimate.Budget(device), machine, per_node
+    host = _gib_argument("--host-budget-gb", args.host_budget_gb) or host_share
     disk = _gib_argument("--disk-budget-gb", args.disk_budget_gb)
     if disk is None:
         where = args.offload_dir if args.offload_dir is not None else tempfile.gettempdir()
@@ -339,16 +345,15 @@ def _rank_budget(args: argparse.Namespace, ranks: int) -> estimate.Budget | None
             disk = shutil.disk_usage(where).free // per_node or None
         except OSError as err:
             raise UsageError(f"--offload-dir={where!r} is invalid: {err.strerror}") from None
-    return estimate.Budget(device, host, disk, shared_host=shared_host)
+    return estimate.Budget(device, host, disk, shared_host=shared_host), machine, per_node
 
 
 def _estimate_budget(budget_gb: float | None) -> int | None:
-    import torch
-
+    """``--budget-gb``, else the free memory of GPU 0; None on a CPU-only machine (the host budget then)."""
     from lightning_zero.auto import cuda_free_bytes
 
     if budget_gb is None:
-        return cuda_free_bytes(0) if torch.cuda.is_available() else None
+        return cuda_free_bytes(0) if _on_cuda() else None
     return _gib_argument("--budget-gb", budget_gb)
 
 

@@ -6,7 +6,8 @@ Every offloaded tensor is a file of a private directory (mode 0700, files 0600) 
 the strategy sets up and removed at teardown, after an error too (files.py: [Note: one file per tensor, read and
 written through buffers]). Set-up writes each shard's file as soon as the shard exists and drops its pages, so it
 never holds more than one shard's host copy. The step walks sub-groups of ``offload_subgroup_mb`` of parameters
-through ``offload_resident_subgroups`` buffers (host arenas, staging.py): a background thread reads the next
+through ``offload_resident_subgroups`` buffers (host arenas, staging.py; both chosen from the host budget unless
+given: sizing.py, [Note: sizing disk offload's sub-groups]): a background thread reads the next
 sub-groups' masters and states into their buffers (``pread``) while the current one steps in its own, and writes each
 stepped sub-group back (``pwrite``, ``fdatasync``, then its pages are dropped from the page cache) while the next
 ones step; the optimizer and ``ParamShard.local`` see the buffers for the duration of their sub-group's step, the
@@ -57,6 +58,7 @@ from torch import Tensor
 from lightning_zero.memory import give_back_freed_memory, return_large_blocks_at_once
 from lightning_zero.offload.files import FileStore, OffloadDiskError
 from lightning_zero.offload.host import HostOffload
+from lightning_zero.offload.sizing import SubgroupPlan
 from lightning_zero.offload.staging import HostArena, Ticket, Transfers, plan_slots
 from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.grad_hooks import ShardStorage
@@ -102,12 +104,16 @@ class DiskOffload(HostOffload):
     files, stepped sub-group by sub-group (see [Note: disk offload] and [Note: one offloaded step])."""
 
     def __init__(
-        self, shards: list[ParamShard], stage: int, group_bytes: int, transfers: Transfers, directory: Path,
-        resident: int, grad_dtype: torch.dtype | None = None, params_on_disk: bool = False,
+        self, shards: list[ParamShard], stage: int, plan: SubgroupPlan, transfers: Transfers, directory: Path,
+        grad_dtype: torch.dtype | None = None, params_on_disk: bool = False,
     ) -> None:
         return_large_blocks_at_once()  # see [Note: glibc's heap and a memory limit]
         self.store = FileStore(directory)
-        self.resident_groups = resident
+        #: The sub-groups' size and resident count, and why (offload/sizing.py).
+        self.plan = plan
+        self.resident_groups = plan.resident
+        #: Bytes of the resident buffers of the last step (freed between steps): its largest sub-group's, each.
+        self.step_buffer_bytes = 0
         self.params_on_disk = params_on_disk
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero-disk-io")
         self._reads: dict[int, Future] = {}
@@ -129,7 +135,7 @@ class DiskOffload(HostOffload):
         self._state_files: dict[tuple[torch.nn.Parameter, str], Tensor] = {}
         self.shards = list(shards)
         try:
-            super().__init__(shards, stage, group_bytes, transfers, grad_dtype)
+            super().__init__(shards, stage, plan.subgroup_bytes, transfers, grad_dtype)
         except BaseException:
             self.close()
             raise
@@ -174,6 +180,7 @@ class DiskOffload(HostOffload):
         self._entries = [self._entries_of(group) for group in groups]
         nbytes = max((plan_slots([(t.shape, t.dtype) for *_, t in entries])[1] for entries in self._entries), default=0)
         self._slots = [HostArena(f"disk sub-group buffer {i}", nbytes, pinned=False) for i in range(self.resident_groups)]
+        self.step_buffer_bytes = nbytes * self.resident_groups
         for index in range(min(self.resident_groups - 1, len(groups))):
             self._read_ahead(index)
 

@@ -338,6 +338,8 @@ class ShardedParams:
         if not self._holding:
             for unit in self.all_units:
                 unit.reshard()
+        if self.config.buffer_pool_mb is None:  # see [Note: what the buffer pools keep, and where]
+            self.pool.clear()
         self.comms.weight_check.raise_if_nonfinite()
 
     @contextmanager

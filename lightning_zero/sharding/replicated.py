@@ -16,6 +16,18 @@ start of the backward, reuse that memory, and the backward's last reductions, wh
 allocate it again. DDP's buckets are the gradients themselves, and a training peak above DDP's by one packed
 bucket is what this avoids.
 
+[Note: what the gathers in flight hold]
+Left in flight, the gathers hold up to ``MAX_IN_FLIGHT`` bucket buffers from the step to the next forward (with the
+reductions' buffers the pool kept for them). Against a model of a few hundred MiB two buckets of ``bucket_mb`` are
+nothing; against a small one a bucket holds every packed parameter, a second copy of the working parameters: zero1 in
+bf16-mixed on a 3.7M-parameter GPT-2 held 1.20x its 4Ψ + 12Ψ/N after a step, and on the 10.6M GPT of BENCHMARKS.md's
+M-2 in fp32 1.4x its 8Ψ + 8Ψ/N. Smaller buckets bound that, but keep the read guard on through most of the forward:
+eight buckets of 1 MiB made that GPT-2's zero1 step 1.4x the CPU time. So by default (``overlap_gather=None``) the
+gathers stay in flight only where their buffers hold at most ``OVERLAP_SHARE`` of the parameters, under 6.3% of any
+stage's model states (every stage holds at least its full parameters); elsewhere they complete before the step
+returns, and the pool's buffers go with them. ``overlap_gather=True`` keeps the overlap whatever it holds, for the
+step time it saves (BENCHMARKS.md, "What a rank holds after a step").
+
 Correctness first: a parameter must never be read while its bucket is in flight (its rows are the previous step's).
 Reads that do not go through its module's forward are caught three ways. Inside ``training_step`` a
 ``TorchFunctionMode`` (``reading_guard``) sees every tensor operation and completes the bucket of any pending
@@ -44,6 +56,10 @@ from lightning_zero.config import CommConfig
 from lightning_zero.sharding.collectives import Collectives, gather_bucket
 from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT, BucketGather, BufferPool
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
+
+
+#: The share of the gathered parameters' bytes the gathers after an update may hold to be left in flight by default.
+OVERLAP_SHARE = 1 / 16
 
 
 class ReplicatedParams:
@@ -91,8 +107,18 @@ class ReplicatedParams:
         self._launched, self._done = [], 0
         self._pending = {id(s.param): i for i, b in enumerate(self._order) for s in b.shards}
         self._launch_more()
-        if not defer:
+        if not defer or not self._overlaps(self._order):
             self.wait()
+
+    def _overlaps(self, buckets: list[Bucket]) -> bool:
+        """Whether the gathers of ``buckets`` stay in flight after the step (see [Note: what the gathers in flight
+        hold])."""
+        if self.config.overlap_gather is not None:
+            return self.config.overlap_gather
+        pooled = sorted((b.full_numel * b.dtype.itemsize for b in buckets
+                         if b.own_buffer([s.param for s in b.shards]) is None), reverse=True)
+        params = sum(s.spec.numel * s.dtype.itemsize for b in buckets for s in b.shards)
+        return sum(pooled[:MAX_IN_FLIGHT]) <= OVERLAP_SHARE * params
 
     def after_update(self, stepped: Sequence[ParamShard], defer: bool = False) -> None:
         """The shards an optimizer just stepped are gathered into their parameters, for the next forward."""

@@ -237,7 +237,8 @@ BAD_INPUT = [
     ("trainer.precision=bf16-true", "trainer.precision='bf16-true' is invalid: allowed values are 32-true"),
     ("strategy=zero5", "strategy=zero5 is not an option: allowed values are auto, ddp, zero1, zero1_offload, zero2, "
      "zero2_offload, zero3, zero3_hpz, zero3_hybrid, zero3_offload, zero3_offload_disk"),
-    ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_llama"),
+    ("model=gpt_huge", "model=gpt_huge is not an option: allowed values are gpt_large, gpt_small, gpt_tiny, hf_gpt2, "
+     "hf_llama"),
     ("recipe=nope", "recipe=nope is not an option: allowed values are gpt_large_zero3, gpt_long_context_ac, "
      "gpt_medium_zero3_offload, gpt_small_zero3"),
     ("strategy.bucket_m=1", "strategy.bucket_m is not a field of strategy: allowed fields are stage, bucket_mb,"),
@@ -331,6 +332,27 @@ def test_estimate_knows_the_offload_options(capfd):
         "3.91 KiB of 3.91 KiB of host memory per rank); nothing without offload fits (zero3 needs 3.91 KiB of 999 B on "
         "the device per rank)"
     )
+
+
+def test_estimate_on_a_cpu_reads_the_budget_of_the_jobs_memory_cgroup(capfd, monkeypatch, tmp_path):
+    # Inside a 3 GiB cgroup with 0.25 GiB in use, on a host with 20 GiB available: 1.375 GiB per rank, against which
+    # only disk offload fits a 303M-parameter fp32 model; its sub-groups are sized from a quarter of it.
+    from lightning_zero.cli import estimate as estimate_cli
+    from lightning_zero.host_memory import HostMemory
+
+    source = "cgroup v1 /sys/fs/cgroup/memory/job: limit 3.00 GiB less 0.25 GiB in use"
+    monkeypatch.setattr(estimate_cli, "host_memory", lambda: HostMemory(int(2.75 * 2**30), source))
+    monkeypatch.setattr(estimate_cli, "_on_cuda", lambda: False)
+    assert main(["estimate", "--params", "303M", "--ranks", "2", "--offload-dir", str(tmp_path)]) == 0
+    out = capfd.readouterr().out.splitlines()
+    assert f"host budget: 2.75 GiB free ({source}), shared by 2 ranks" in out
+    assert next(line for line in out if line.startswith("budget per rank:")).startswith(
+        "budget per rank: 1.38 GiB of memory (the device is host memory)")
+    # A host run: the master, two moments, parameter rows and gradient shards, 20 bytes a 4-byte master; 352 MiB
+    # over 2 buffers of 5 bytes a byte of master: 35.2 MiB each.
+    assert ("disk offload (zero3_offload_disk): 2 resident sub-groups of 35.2 MiB of masters (from 25% of a host "
+            "budget of 1.38 GiB per rank)") in out
+    assert out[-2].startswith("recommendation: zero3_offload_disk: the least complex option that fits")
 
 
 def test_estimate_from_a_model_config(capfd):

@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy, auto, config
 from lightning_zero.auto import AUTO_ENV, AutoChoice, AutoStrategy, AutoStrategyError
+from lightning_zero.host_memory import HostMemory
 from lightning_zero.models.language_model import ParameterCounts
 
 PSI = ParameterCounts(total=1000, trainable=1000)
@@ -37,7 +38,7 @@ def _machine(monkeypatch):
         return real(path)._replace(free=DISK_FREE)  # real() raises for a directory that does not exist
 
     monkeypatch.setattr(auto.shutil, "disk_usage", disk_usage)
-    monkeypatch.setattr(auto, "available_host_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(auto, "host_memory", lambda: HostMemory(64 * 2**30, "MemAvailable"))
 
 
 @pytest.mark.parametrize(
@@ -59,12 +60,28 @@ def test_reserve_and_nodes_count():
     strategy = AutoStrategy(budget_gb=6 * KIB, reserve_gb=KIB, bucket_mb=BUCKET_MB)
     choice = auto.choose(strategy, PSI, "32-true", accelerator="cpu", devices=2, num_nodes=2)
     assert choice.option == "zero3"
-    assert choice.reason == "zero3: the least complex option that fits (4.91 KiB of 5.00 KiB per rank)"
+    assert choice.reason == ("zero3: the least complex option that fits (4.91 KiB of 5.00 KiB per rank); host budget: "
+                             "64.00 GiB free (MemAvailable), shared by 2 ranks")
+
+
+def test_on_cpu_the_default_budget_is_the_host_budget_of_the_jobs_cgroup(monkeypatch):
+    # A 3 GiB cgroup with 0.25 GiB in use, on a host with 64 GiB available: 1.375 GiB per rank for 2 ranks. fp32,
+    # Ψ = 1.2e8: DDP's 16Ψ (1.79 GiB) does not fit, zero1's 12Ψ and a 25 MiB bucket (1.37 GiB) does.
+    cgroup = HostMemory(int(2.75 * 2**30), "cgroup v1 /sys/fs/cgroup/memory/job: limit 3.00 GiB less 0.25 GiB in use")
+    monkeypatch.setattr(auto, "host_memory", lambda: cgroup)
+    choice = auto.choose(AutoStrategy(), ParameterCounts(12 * 10**7, 12 * 10**7), "32-true", accelerator="cpu",
+                         devices=2)
+    assert choice.option == "zero1"
+    assert choice.reason == (
+        "zero1: the least complex option that fits (1.37 GiB of 1.38 GiB per rank); host budget: 2.75 GiB free "
+        "(cgroup v1 /sys/fs/cgroup/memory/job: limit 3.00 GiB less 0.25 GiB in use), shared by 2 ranks"
+    )
 
 
 def test_nothing_fits_names_the_ranks_that_would():
     # zero3 holds 16000/N + 1024 bytes: 9024 on 2 ranks, 5024 <= 5120 on 4.
-    expected = r"^strategy=auto: nothing fits: zero3 needs .* zero3 fits on 4 ranks or more$"
+    expected = (r"^strategy=auto: nothing fits: zero3 needs .* zero3 fits on 4 ranks or more; host budget: 64.00 GiB free "
+                r"\(MemAvailable\), shared by 2 ranks$")
     with pytest.raises(AutoStrategyError, match=expected):
         auto.choose(AutoStrategy(budget_gb=5 * KIB, bucket_mb=BUCKET_MB, offload=False), PSI, "32-true",
                     accelerator="cpu", devices=2)
@@ -189,7 +206,7 @@ def two_gpus(monkeypatch):
     monkeypatch.setattr(cuda, "_get_all_visible_cuda_devices", lambda: [0, 1])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(auto, "cuda_free_bytes", lambda device: 6 * GIB)
-    monkeypatch.setattr(auto, "available_host_bytes", lambda: 40 * GIB)
+    monkeypatch.setattr(auto, "host_memory", lambda: HostMemory(40 * GIB, "MemAvailable"))
 
 
 def test_on_cuda_host_offload_comes_after_the_device_and_before_disk(two_gpus, tmp_path):
@@ -204,11 +221,12 @@ def test_on_cuda_host_offload_comes_after_the_device_and_before_disk(two_gpus, t
         "of host memory per rank); nothing without offload fits (zero3 needs 7.47 GiB of 6.00 GiB on the device"
     )
     # With 7 GiB of host memory per rank no host offload fits (zero3_offload_params: 14Ψ/2 + 2Ψ/2 = 7.45 GiB), and
-    # zero1_offload_disk keeps 3 sub-groups of 256 MiB of masters resident: 3 x 256 MiB x 3 + 1.86 GiB = 4.11 GiB.
+    # zero1_offload_disk keeps 2 sub-groups of 256 MiB of masters resident (three of the largest would pass a quarter
+    # of the host budget): 2 x 256 MiB x 3 + 1.86 GiB of staging = 3.36 GiB.
     choice = auto.choose(AutoStrategy(host_budget_gb=7.0, offload_dir=str(tmp_path)), BILLION, "bf16-mixed",
                          accelerator="cuda", devices=[0, 1])
     assert choice.option == "zero1_offload_disk"
-    assert "4.11 GiB of 7.00 GiB of host memory" in choice.reason
+    assert "3.36 GiB of 7.00 GiB of host memory" in choice.reason
     assert "nothing with host offload fits (zero3_offload_params needs" in choice.reason
 
 
@@ -220,27 +238,37 @@ def test_disk_offload_is_not_offered_without_its_directory(two_gpus, tmp_path):
 
 def test_on_cpu_only_disk_offload_lowers_what_a_rank_holds(tmp_path):
     # fp32, 10^9 parameters, 2 ranks, 25 MiB bucket: zero3 holds 16Ψ/2 + 25 MiB = 7.47 GiB. The device is host memory,
-    # so host offload adds to it; zero3_offload_disk keeps the gradient shards (4Ψ/2 = 1.86 GiB), the bucket, their
-    # staging (1.86 GiB, counted though a CPU run holds none) and 3 resident sub-groups of 256 MiB of masters
-    # (3 x 256 MiB x 16/4 = 3 GiB): 6.75 GiB.
+    # so host offload adds to it (and stages nothing: the gradients are host memory already). Disk offload keeps the
+    # gradient shards of stages 2 and 3 in files and sizes its resident sub-groups from a quarter of the budget
+    # (offload/sizing.py): zero2_offload_disk holds the parameters (4Ψ = 3.73 GiB), the bucket and 2 sub-groups of
+    # 224 MiB of masters with their moments and gradients (2 x 224 MiB x 16/4 = 1.75 GiB).
     settings = AutoStrategy(budget_gb=7.0, offload_dir=str(tmp_path))
     choice = auto.choose(settings, BILLION, "32-true", accelerator="cpu", devices=2)
+    assert choice.option == "zero2_offload_disk"
+    assert choice.reason.startswith(
+        "zero2_offload_disk: the least complex option that fits (5.50 GiB of 7.00 GiB of memory (device and host are "
+        "one), 7.45 GiB of 32.00 GiB on disk per rank"
+    )
+    # With 4 GiB, zero3_offload_disk: the bucket and 2 sub-groups of 102.4 MiB of masters with their moments,
+    # parameter rows and gradients (2 x 102.4 MiB x 20/4 = 1 GiB); 20Ψ/2 of files.
+    choice = auto.choose(AutoStrategy(budget_gb=4.0, offload_dir=str(tmp_path)), BILLION, "32-true",
+                         accelerator="cpu", devices=2)
     assert choice.option == "zero3_offload_disk"
     assert choice.reason.startswith(
-        "zero3_offload_disk: the least complex option that fits (6.75 GiB of 7.00 GiB of memory (device and host are "
-        "one), 7.45 GiB of 32.00 GiB on disk per rank"
+        "zero3_offload_disk: the least complex option that fits (1.02 GiB of 4.00 GiB of memory (device and host are "
+        "one), 9.31 GiB of 32.00 GiB on disk per rank"
     )
     with pytest.raises(AutoStrategyError, match=r"^strategy=auto: nothing fits: zero3 needs 7.47 GiB per rank"):
         auto.choose(AutoStrategy(budget_gb=7.0, offload=False), BILLION, "32-true", accelerator="cpu", devices=2)
 
 
 def test_disk_offload_needs_the_disk_for_each_local_rank(monkeypatch, tmp_path):
-    # zero3_offload_disk writes 12Ψ/2 + 4Ψ/2 bytes less its resident sub-groups, 7.45 GiB a rank: 14.80 GiB free for
-    # 2 ranks is 7.40 GiB each, too little; 3 ranks would write 4.97 GiB each.
+    # zero3_offload_disk on a host writes 12Ψ/2 + 4Ψ/2 + 4Ψ/2 bytes (states, parameter and gradient shards), 9.31 GiB a
+    # rank: 14.80 GiB free for 2 ranks is 7.40 GiB each, too little; 3 ranks would write 6.21 GiB each.
     monkeypatch.setattr(sys.modules[__name__], "DISK_FREE", int(14.8 * 2**30))
     settings = AutoStrategy(budget_gb=7.0, offload_dir=str(tmp_path))
-    with pytest.raises(AutoStrategyError, match=r"7.45 GiB of 7.40 GiB on disk per rank on 2 ranks; zero3_offload_disk "
-                                                r"fits on 3 ranks or more$"):
+    with pytest.raises(AutoStrategyError, match=r"9.31 GiB of 7.40 GiB on disk per rank on 2 ranks; zero3_offload_disk "
+                                                r"fits on 3 ranks or more; host budget: "):
         auto.choose(settings, BILLION, "32-true", accelerator="cpu", devices=2)
 
 

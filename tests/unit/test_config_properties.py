@@ -87,6 +87,7 @@ OPTION_VALUES: dict[str, Pair] = {
     "unit_mb": _mib(),
     "prefetch": (st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([1.5, 2.0, True, "2", None])),
     "reshard_after_forward": _flag(),
+    "overlap_gather": _one_of([None, True, False], ["true", "", 1, 0, [True]]),
     "verify_unit_order": _flag(),
     "quantize_weights": _flag(),
     "buffer_pool_mb": (
@@ -96,9 +97,9 @@ OPTION_VALUES: dict[str, Pair] = {
     "offload_optimizer": _one_of([None, "cpu", "disk"], ["gpu", "", "CPU", True, 1, {"a": 1}]),
     "offload_params": _one_of([None, "cpu", "disk"], ["gpu", "", "nvme", False, 0]),
     "offload_dir": (st.none() | PATHS, st.sampled_from(["", 5, True, ["/tmp"]])),
-    "offload_subgroup_mb": _mib(),
+    "offload_subgroup_mb": _mib(optional=True),
     "offload_resident_subgroups": (
-        st.integers(2, 1000), st.integers(max_value=1) | st.sampled_from([2.5, 3.0, True, "3", None])
+        st.none() | st.integers(2, 1000), st.integers(max_value=1) | st.sampled_from([2.5, 3.0, True, "3"])
     ),
     "shard_group_size": (st.none() | st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([2.0, True, "2"])),
     "node_size": (st.none() | st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([4.0, False, "4"])),

@@ -130,7 +130,7 @@ def test_on_a_gpu_steps_are_timed_by_events_without_synchronizing(monkeypatch) -
         root_device=gpu, comm_stats=SimpleNamespace(total_bytes=0),
         model_state_bytes=lambda: ModelStateBytes(100, 100, 200), reduce=lambda tensor, reduce_op: tensor,
     )
-    trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=2, precision="32-true")
+    trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=2, num_devices=2, precision="32-true")
     module, monitor, batch = LoggingModule(), ZeroMonitor(), torch.zeros(2, 8, dtype=torch.long)  # 16 tokens
     monitor.on_fit_start(trainer, module)
 
@@ -168,7 +168,8 @@ def _fit_steps(config, world_size: int, steps: int = 3, node_size: int | None = 
                                model_state_bytes=lambda: ModelStateBytes(2000, 2000, 4000),
                                reduce=lambda tensor, reduce_op: tensor,
                                topology=lambda: SimpleNamespace(node_size=node_size or world_size))
-    trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=world_size, precision="32-true")
+    trainer = SimpleNamespace(strategy=strategy, global_step=0, world_size=world_size, num_devices=world_size,
+                              precision="32-true")
     module, monitor, batch = LoggingModule(), ZeroMonitor(), torch.zeros(2, 8, dtype=torch.long)
     module.num_parameters = module.num_trainable_parameters = 1000
     monitor.on_fit_start(trainer, module)
