@@ -3,13 +3,10 @@
 [Note: a sharded parameter keeps its shape].)
 
 [Note: what is refused under zero3, and why]
-Stage 3 keeps parameters empty between uses; a feature that reads or copies whole parameters outside a forward
-cannot work without holding the model in full on every rank, which is what zero3 exists to avoid. Such features are
-refused when the Trainer sets up, naming the feature and the alternative, instead of failing deep inside training:
+Stage 3 keeps parameters empty between uses. Lightning's weight-averaging and pruning callbacks run under it as under
+DDP (sharded_callbacks.py, [Note: Lightning's weight callbacks under zero3]). Refused when the Trainer sets up, naming
+the feature and the alternative, instead of failing deep inside training:
 
-* ``StochasticWeightAveraging``, ``WeightAveraging`` / ``EMAWeightAveraging``: they deep-copy the model and average
-  whole parameters after steps. Use zero1 or zero2 (full parameters on every rank; tested against DDP).
-* ``ModelPruning``: it computes masks from whole weights at epoch ends and re-parametrizes them. Use zero1 or zero2.
 * ``torch.compile`` of the model (or of a submodule): stage 3 swaps parameter storage around every unit's forward
   and backward, which compiled graphs do not expect. zero1 and zero2 compile as DDP does (tested).
 
@@ -22,22 +19,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.accelerators import XLAAccelerator
-from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 from torch import nn
 
 from lightning_zero.config import ZeroConfig
-
-try:  # Lightning >= 2.5
-    from lightning.pytorch.callbacks import WeightAveraging
-except ImportError:  # pragma: no cover
-    WeightAveraging = None
-
-_REFUSED_UNDER_ZERO3 = {
-    StochasticWeightAveraging: "it deep-copies the model and averages whole parameters",
-    ModelPruning: "it computes pruning masks from whole weights",
-}
-if WeightAveraging is not None:
-    _REFUSED_UNDER_ZERO3[WeightAveraging] = "it keeps an averaged copy of the whole model"
 
 
 class ZeroUnsupportedError(ValueError):
@@ -61,13 +45,6 @@ def refuse_unsupported(trainer: pl.Trainer, model: nn.Module, config: ZeroConfig
     refuse_sparse_gradients(model)
     if config.stage != 3:
         return
-    for callback in trainer.callbacks:
-        for cls, reason in _REFUSED_UNDER_ZERO3.items():
-            if isinstance(callback, cls):
-                raise ZeroUnsupportedError(
-                    f"{type(callback).__name__} cannot run under zero3: {reason}, while zero3 keeps each rank's "
-                    "parameters sharded. Use strategy='zero2' or 'zero1' (full parameters on every rank)."
-                )
     compiled = [name or type(model).__name__ for name, m in model.named_modules() if _is_compiled(m)]
     if getattr(model, "_compiler_ctx", None) is not None:
         compiled.insert(0, type(model).__name__)

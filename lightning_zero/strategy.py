@@ -48,6 +48,7 @@ from lightning_zero.memory import (
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
+from lightning_zero.sharded_callbacks import adapt_weight_callbacks
 from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
 from lightning_zero.sharding.materialize import (
     LoadsOnMeta,
@@ -227,6 +228,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
             self.model, self.config, comms, self.precision_plugin.working_dtype, materialized, offload
         )
         del materialized  # the rows the shards were cut from: the shards own them now
+        if self.config.stage == 3 and not self._runtime.single_rank:
+            adapt_weight_callbacks(trainer, self._runtime, self.gathered_parameters)
         give_back_freed_memory()
         if fitting:
             self.setup_optimizers(trainer)
@@ -326,10 +329,12 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
 
     @override
     def post_training_step(self) -> None:
-        """Manual optimization ran its backward passes inside ``training_step``: the step is over."""
+        """Manual optimization ran its backward passes inside ``training_step``: the step is over; so is a step
+        whose backward Lightning skips (``StochasticWeightAveraging``'s BatchNorm epoch: forwards only)."""
         super().post_training_step()
-        assert self.lightning_module is not None
-        if not self.lightning_module.automatic_optimization:
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization or module.trainer.fit_loop._skip_backward:
             self.runtime.end_step()
 
     @override

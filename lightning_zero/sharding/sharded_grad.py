@@ -29,6 +29,10 @@ answers each operation from the shards of every rank:
 A ``ShardedGrad`` has no storage of its own; its ``RowLayout`` says which rows of the full tensor the rank holds
 (a 0-d tensor, or a row picked out of the first dimension, counts as one row held by one rank). The optimizer step
 takes the shard back (``grad_rows``), so an edit in a hook is what the step uses.
+
+The machinery is ``ShardedRows``'; ``ShardedGrad`` only says that its rows are a gradient's. The values of a stage-3
+parameter between its uses answer the same way (``sharded_param.ShardedValues``, [Note: a parameter's values between
+its uses]).
 """
 
 from __future__ import annotations
@@ -50,14 +54,14 @@ class ShardedGradientError(RuntimeError):
 
 
 class Reducer(Protocol):
-    """What a ``ShardedGrad`` needs from its owner (``user_view.UserView``)."""
+    """What a ``ShardedRows`` needs from its owner (``user_view.UserView``, or its ``ValuesOwner``)."""
 
     def all_reduce(self, tensor: Tensor, op: str) -> Tensor:
         """``tensor`` reduced across the ranks holding the other rows with ``op`` ("sum", "max" or "min")."""
 
 
     def changed(self) -> None:
-        """A sharded gradient was written in place."""
+        """Its rows were written in place."""
 
     def whole_norms(self, ord: float) -> dict[int, Tensor]:
         """The ``ord``-norm of every whole gradient handed out, by its key."""
@@ -98,9 +102,11 @@ class RowLayout:
         return RowLayout(self.shape[1:], 0, int(held), single=True)
 
 
-class ShardedGrad(torch.Tensor):
-    """This rank's rows (``local``) of a gradient of ``layout.shape`` (see [Note: a sharded gradient answers as
-    the full one]). ``key`` names the parameter whose whole gradient this is (``None`` for tensors derived from one)."""
+class ShardedRows(torch.Tensor):
+    """This rank's rows (``local``) of a tensor of ``layout.shape`` that answers as the full tensor would (see [Note:
+    a sharded gradient answers as the full one]); ``ShardedGrad`` is a gradient's, ``sharded_param.ShardedValues`` a
+    stage-3 parameter's values. ``key`` names the parameter whose whole gradient this is (``None`` for tensors
+    derived from one, and for values). A subclass says what it is in ``__repr__`` and ``refusal``."""
 
     _local: Tensor
     _layout: RowLayout
@@ -114,19 +120,22 @@ class ShardedGrad(torch.Tensor):
     def __new__(cls, local: Tensor, layout: RowLayout, owner: Reducer, name: str, key: int | None = None):
         if local.shape != layout.local_shape:
             raise AssertionError(f"{name}: local rows of shape {tuple(local.shape)}, layout {layout}")
-        grad = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype, device=local.device,
+        rows = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype, device=local.device,
                                                    requires_grad=False)
-        grad._local, grad._layout, grad._owner, grad._name, grad._key = local, layout, owner, name, key
-        return grad
+        rows._local, rows._layout, rows._owner, rows._name, rows._key = local, layout, owner, name, key
+        return rows
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def refusal(self, what: str) -> Exception:
+        """The error for ``what``, an operation that would need the other ranks' rows as values."""
+        raise NotImplementedError
+
+    def _where(self) -> str:
         layout = self._layout
-        where = (f"rows {layout.lo}-{layout.hi} of {layout.rows}" if not layout.single else
-                 ("held here" if layout.hi else "held by another rank"))
-        return (f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, {where}: this "
-                f"rank's shard of the averaged gradient of {self._name})")
+        return (f"rows {layout.lo}-{layout.hi} of {layout.rows}" if not layout.single else
+                ("held here" if layout.hi else "held by another rank"))
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return repr(self)
 
     def __format__(self, spec: str) -> str:
         return repr(self)
@@ -138,19 +147,23 @@ class ShardedGrad(torch.Tensor):
         return self._local.data_ptr()
 
     def tolist(self):
-        _refuse("tolist()", self._name)
+        _refuse("tolist()", self)
 
     def numpy(self, *, force: bool = False):
-        _refuse("numpy()", self._name)
+        _refuse("numpy()", self)
 
     def __array__(self, *args, **kwargs):
-        _refuse("converting it to a NumPy array", self._name)
+        _refuse("converting it to a NumPy array", self)
 
-    def __deepcopy__(self, memo):  # a module copied with its gradients (copy.deepcopy) keeps them sharded
-        return ShardedGrad(self._local.clone(), self._layout, self._owner, self._name)
+    def __deepcopy__(self, memo):  # a module copied with them (copy.deepcopy) keeps them sharded
+        copied = type(self)(self._local.clone(), self._layout, self._owner, self._name)
+        if getattr(self, "_is_param", False):  # a parameter of a copy of a sharded model (nn.Parameter's flag)
+            copied = torch.nn.Parameter(copied, self.requires_grad)
+        memo[id(self)] = copied
+        return copied
 
     def __reduce_ex__(self, protocol):
-        _refuse("pickling (torch.save)", self._name)
+        _refuse("pickling (torch.save)", self)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -162,35 +175,48 @@ class ShardedGrad(torch.Tensor):
             return _element_wise(func, args, kwargs)
         if func.__name__.startswith("_foreach_"):
             return _foreach(func, args, kwargs)
-        _refuse(f"{func.overloadpacket.__name__}()", _first(args, kwargs)._name)
+        _refuse(f"{func.overloadpacket.__name__}()", _first(args, kwargs))
+
+
+class ShardedGrad(ShardedRows):
+    """This rank's rows of a parameter's averaged gradient (see [Note: a sharded gradient answers as the full
+    one])."""
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, {self._where()}: "
+                f"this rank's shard of the averaged gradient of {self._name})")
+
+    def refusal(self, what: str) -> Exception:
+        return ShardedGradientError(
+            f"{what} on the gradient of {self._name!r}: outside the optimizer's step each rank holds only its rows "
+            "of the averaged gradient, and this operation would need the other ranks' rows as values. Norms, "
+            "clipping, element-wise edits, indexing and reductions work on it as on the full gradient; for anything "
+            "else use `with trainer.strategy.gathered_gradients():` (every rank must enter it; edits made inside are "
+            "kept)"
+        )
 
 
 def held_rows(tensor: Tensor) -> Tensor:
-    """The memory behind ``tensor``: a ``ShardedGrad``'s rows, or the tensor itself (for memory accounting)."""
-    return tensor._local if isinstance(tensor, ShardedGrad) else tensor
+    """The memory behind ``tensor``: a ``ShardedRows``' rows, or the tensor itself (for memory accounting)."""
+    return tensor._local if isinstance(tensor, ShardedRows) else tensor
 
 
-def _refuse(what: str, name: str) -> None:
-    raise ShardedGradientError(
-        f"{what} on the gradient of {name!r}: outside the optimizer's step each rank holds only its rows of the "
-        "averaged gradient, and this operation would need the other ranks' rows as values. Norms, clipping, "
-        "element-wise edits, indexing and reductions work on it as on the full gradient; for anything else use "
-        "`with trainer.strategy.gathered_gradients():` (every rank must enter it; edits made inside are kept)"
-    )
+def _refuse(what: str, of: ShardedRows) -> None:
+    raise of.refusal(what)
 
 
-def _first(args, kwargs) -> ShardedGrad:
-    return next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedGrad))
+def _first(args, kwargs) -> ShardedRows:
+    return next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedRows))
 
 
-def _wrap(local: Tensor, layout: RowLayout, like: ShardedGrad, key: int | None = None) -> ShardedGrad:
-    return ShardedGrad(local, layout, like._owner, like._name, key)
+def _wrap(local: Tensor, layout: RowLayout, like: ShardedRows, key: int | None = None) -> ShardedRows:
+    return type(like)(local, layout, like._owner, like._name, key)
 
 
 def _rows_of(value: Any, layout: RowLayout) -> Any:
     """A plain operand of an element-wise operation on tensors of ``layout``: its rows where it varies along the
     first dimension (a full-shape mask, a full gradient), as it is where it broadcasts over it."""
-    if not isinstance(value, Tensor) or isinstance(value, ShardedGrad) or layout.single:
+    if not isinstance(value, Tensor) or isinstance(value, ShardedRows) or layout.single:
         return value
     if value.dim() < len(layout.shape) or value.shape[0] == 1:
         return value
@@ -209,16 +235,16 @@ def _written(func, args: Sequence[Any], kwargs: dict) -> list[Any]:
 
 
 def _element_wise(func, args, kwargs):
-    grads = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedGrad)]
+    grads = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedRows)]
     layout = grads[0]._layout
-    name = grads[0]._name
+    name = grads[0]
     if any(g._layout != layout for g in grads):
         _refuse(f"{func.overloadpacket.__name__}() between differently sharded tensors", name)
     written = _written(func, args, kwargs)
-    if any(isinstance(w, Tensor) and not isinstance(w, ShardedGrad) for w in written):
+    if any(isinstance(w, Tensor) and not isinstance(w, ShardedRows) for w in written):
         _refuse(f"writing it into a plain tensor ({func.overloadpacket.__name__}())", name)
     try:
-        local_args, local_kwargs = tree_map(lambda v: v._local if isinstance(v, ShardedGrad) else _rows_of(v, layout),
+        local_args, local_kwargs = tree_map(lambda v: v._local if isinstance(v, ShardedRows) else _rows_of(v, layout),
                                             (args, kwargs))
     except ShardedGradientError as err:
         _refuse(f"{func.overloadpacket.__name__}() with {err}", name)
@@ -248,7 +274,7 @@ def _all_dims(layout: RowLayout, dim: Any) -> tuple[list[int], bool]:
     return dims, 0 in dims or ndim == 0
 
 
-def _combine(x: ShardedGrad, partial: Tensor, op: str, local_dims: list[int], keepdim: bool, single: bool) -> Tensor:
+def _combine(x: ShardedRows, partial: Tensor, op: str, local_dims: list[int], keepdim: bool, single: bool) -> Tensor:
     """All-reduce each rank's ``partial`` (kept dims of size 1) with ``op``; drop the reduced dimensions."""
     work = partial.float() if partial.dtype in (torch.float16, torch.bfloat16) else partial
     combined = x._owner.all_reduce(work.contiguous(), op)
@@ -274,7 +300,7 @@ def _partial(local: Tensor, dims: list[int], op: str, p: float = 1.0) -> Tensor:
     return work.amax(dim=dims, keepdim=True) if op == "max" else work.amin(dim=dims, keepdim=True)
 
 
-def _reduce(x: ShardedGrad, dim, keepdim: bool, op: str, p: float, finish: Callable[[Tensor], Tensor], out_dtype,
+def _reduce(x: ShardedRows, dim, keepdim: bool, op: str, p: float, finish: Callable[[Tensor], Tensor], out_dtype,
             local_op: Callable[[Tensor], Tensor]) -> Any:
     dims, across = _all_dims(x._layout, dim)
     if not across:  # the rows stay: a sharded result
@@ -312,7 +338,7 @@ def _extreme(op: str):
         x, dim, keepdim = _args(func, args, kwargs, ("self", "dim", "keepdim"), (None, None, False))
         if func._overloadname in ("dim", "dim_max", "dim_min"):  # (values, indices): indices are one rank's
             if _all_dims(x._layout, dim)[1]:
-                _refuse(f"{func.overloadpacket.__name__}(dim=...) over the rows (it returns indices)", x._name)
+                _refuse(f"{func.overloadpacket.__name__}(dim=...) over the rows (it returns indices)", x)
             values, indices = func(x._local, *args[1:], **kwargs)
             shape = torch.Size((x._layout.shape[0], *values.shape[1:]))
             layout = RowLayout(shape, x._layout.lo, x._layout.hi)
@@ -356,11 +382,11 @@ def _count_nonzero(func, args, kwargs):
 
 def _equal(func, args, kwargs):
     a, b = args[0], args[1]
-    if not isinstance(a, ShardedGrad):
+    if not isinstance(a, ShardedRows):
         a, b = b, a
     if a.shape != b.shape:
         return False
-    same = torch.equal(a._local, b._local if isinstance(b, ShardedGrad) else _rows_of(b, a._layout))
+    same = torch.equal(a._local, b._local if isinstance(b, ShardedRows) else _rows_of(b, a._layout))
     flag = torch.tensor([float(same)], device=a.device)
     return bool(a._owner.all_reduce(flag, "min").item())
 
@@ -368,7 +394,7 @@ def _equal(func, args, kwargs):
 def _item(func, args, kwargs):
     x = args[0]
     if x.numel() != 1:
-        _refuse("item()", x._name)
+        _refuse("item()", x)
     total = x._owner.all_reduce(x._local.reshape(-1).double().sum().reshape(1), "sum")
     value = total.to(x.dtype)
     return value.item() if func.overloadpacket is aten._local_scalar_dense else bool(value.item())
@@ -409,7 +435,7 @@ def _slice(func, args, kwargs):
         shape = func(torch.empty(x.shape, device="meta"), dim, start, end, step).shape
         return _wrap(local, replace(layout, shape=shape), x)
     if step != 1:
-        _refuse("a strided slice of the first dimension", x._name)
+        _refuse("a strided slice of the first dimension", x)
     start, end, _ = slice(start, end).indices(layout.rows)
     end = max(end, start)
     narrowed = layout.narrowed(start, end)
@@ -436,11 +462,11 @@ def _view(func, args, kwargs):
     layout = x._layout
     shape = torch.empty(x.shape, device="meta").view(size).shape if -1 in list(size) else torch.Size(size)
     if layout.single or len(shape) == 0:
-        _refuse(f"a view of shape {tuple(shape)}", x._name)
+        _refuse(f"a view of shape {tuple(shape)}", x)
     old_row, new_row = layout.row_numel, math.prod(shape[1:])
     first, last = layout.lo * old_row, layout.hi * old_row
     if new_row == 0 or first % new_row or last % new_row:
-        _refuse(f"a view of shape {tuple(shape)} that splits this rank's rows", x._name)
+        _refuse(f"a view of shape {tuple(shape)} that splits this rank's rows", x)
     new = RowLayout(shape, first // new_row, last // new_row)
     return _wrap(x._local.reshape(new.local_shape), new, x)
 
@@ -448,7 +474,7 @@ def _view(func, args, kwargs):
 def _unsqueeze(func, args, kwargs):
     x, dim = args[0], args[1]
     if x._layout.single or dim % (x.dim() + 1) == 0:
-        _refuse("unsqueeze() in front of the first dimension", x._name)
+        _refuse("unsqueeze() in front of the first dimension", x)
     dim %= x.dim() + 1
     shape = torch.Size((*x.shape[:dim], 1, *x.shape[dim:]))
     return _wrap(x._local.unsqueeze(dim), replace(x._layout, shape=shape), x)
@@ -459,11 +485,11 @@ def _index_put(func, args, kwargs):
                                            (None, None, None, False))
     layout = x._layout
     if layout.single or not indices:
-        _refuse("indexed assignment", x._name)
+        _refuse("indexed assignment", x)
     first, rest = indices[0], list(indices[1:])
     if torch.is_tensor(values) and values.dim() > 0 and not (first is None and values.numel() == 1):
         if first is not None:
-            _refuse("indexed assignment of several values", x._name)
+            _refuse("indexed assignment of several values", x)
     if first is None:
         local_indices = [None, *rest]
         values = _rows_of(values, layout) if torch.is_tensor(values) and values.dim() == x.dim() else values
@@ -508,23 +534,29 @@ def _new(func, args, kwargs):
 
 
 def _foreach(func, args, kwargs):
+    """A ``_foreach_`` operation: on the rows of the sharded tensors among the first list's, on the plain ones (a
+    module's buffers averaged with its parameters) as they are."""
     lists = [a for a in args if isinstance(a, (list, tuple))]
-    grads = [g for g in lists[0] if isinstance(g, ShardedGrad)] if lists else []
-    if not grads or len(grads) != len(lists[0]):
-        _refuse(f"{func.overloadpacket.__name__}() of sharded and plain gradients together",
-                grads[0]._name if grads else "?")
-    layouts = [g._layout for g in lists[0]]
+    first = list(lists[0]) if lists else []
+    sharded = [t for t in first if isinstance(t, ShardedRows)]
+    layouts = [t._layout if isinstance(t, ShardedRows) else None for t in first]
+    for arg in lists[1:]:
+        if any(isinstance(v, ShardedRows) and layout is None for v, layout in zip(arg, layouts)):
+            _refuse(f"writing it into a plain tensor ({func.overloadpacket.__name__}())",
+                    next(v for v in arg if isinstance(v, ShardedRows)))
 
     def local(arg):
         if isinstance(arg, (list, tuple)):
-            return [v._local if isinstance(v, ShardedGrad) else _rows_of(v, layout) for v, layout in zip(arg, layouts)]
+            return [v._local if isinstance(v, ShardedRows) else v if layout is None else _rows_of(v, layout)
+                    for v, layout in zip(arg, layouts)]
         return arg
 
     out = func(*[local(a) for a in args], **kwargs)
     if func._schema.is_mutable:
-        grads[0]._owner.changed()
+        if sharded:
+            sharded[0]._owner.changed()
         return None
-    return [_wrap(o, layout, g) for o, layout, g in zip(out, layouts, lists[0])]
+    return [o if layout is None else _wrap(o, layout, t) for o, layout, t in zip(out, layouts, first)]
 
 
 def _foreach_norm(func, args, kwargs):
