@@ -194,7 +194,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        refuse_unsupported(trainer, self.model, self.config)
+        refuse_unsupported(self.model)
         self.topology()  # a shard_group_size or node_size that does not divide the world fails here, on every rank
         self._start_watchdog()
         self.accelerator.setup(trainer)
