@@ -30,10 +30,12 @@ a full tensor or from another ``ShardedValues`` of the same layout, reductions (
 run), and refusing what needs the other ranks' rows by name. Its rows are the ones the optimizer steps: the fp32
 master under mixed precision (its dtype is then fp32, as DDP's parameter is), on the host or on disk when offloaded;
 what is written into them is what the next gather reads (``UserView``: an offload pushes the written masters to
-where the gathers read them). ``p.data = v`` with such a ``v`` takes ``v``'s rows (the lottery-ticket reset of
-``ModelPruning``, through a sharded copy). A copy of the module made before it was sharded (the callbacks' averages)
-is sharded the same way (``UserView.shard_copy``): 4Ψ/N bytes per rank for an fp32 average, not 4Ψ. The parameter
-itself still refuses value reads (``p.sum()``): only its values, explicitly taken, are answered from rows.
+where the gathers read them). ``p.data = v`` with such a ``v`` (``p.data = copy.data``) takes ``v``'s rows, which the
+master then aliases where it can, as DDP's parameter aliases ``v`` (``ParamShard.take_rows``). A copy of the module
+made before it was sharded (the callbacks' averages) is sharded the same way (``UserView.shard_copy``): 4Ψ/N bytes
+per rank for an fp32 average, not 4Ψ. The parameter itself still refuses value reads (``p.sum()``): only its values,
+explicitly taken, are answered from rows. Not answered: copying them into a plain tensor (EMA's swap for a validation
+loop that gathers the whole model because ranks run different numbers of batches is refused by that name).
 """
 
 from __future__ import annotations

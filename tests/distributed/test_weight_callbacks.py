@@ -39,7 +39,7 @@ STRATEGIES = {
     "zero3": lambda: ZeroStrategy(stage=3),
     "zero3_offload": lambda: ZeroStrategy(stage=3, offload_optimizer="cpu"),
 }
-RUNS = [("zero3", "32-true"), ("zero3_offload", "32-true"), ("zero3", "bf16-mixed")]
+RUNS = [("zero3", "32-true"), ("zero3_offload", "32-true"), ("zero3", "bf16-mixed"), ("zero3_offload", "bf16-mixed")]
 
 
 class Net(ConvNet):
