@@ -3,15 +3,11 @@
 [Note: a sharded parameter keeps its shape].)
 
 [Note: what is refused under zero3, and why]
-Stage 3 keeps parameters empty between uses; a feature that reads or copies whole parameters outside a forward
-cannot work without holding the model in full on every rank, which is what zero3 exists to avoid. Such features are
-refused when the Trainer sets up, naming the feature and the alternative, instead of failing deep inside training:
-
-* ``StochasticWeightAveraging``, ``WeightAveraging`` / ``EMAWeightAveraging``: they deep-copy the model and average
-  whole parameters after steps. Use zero1 or zero2 (full parameters on every rank; tested against DDP).
-* ``ModelPruning``: it computes masks from whole weights at epoch ends and re-parametrizes them. Use zero1 or zero2.
-* ``torch.compile`` of the model (or of a submodule): stage 3 swaps parameter storage around every unit's forward
-  and backward, which compiled graphs do not expect. zero1 and zero2 compile as DDP does (tested).
+Stage 3 keeps parameters empty between uses. Lightning's weight-averaging and pruning callbacks run under it as under
+DDP (sharded_callbacks.py, [Note: Lightning's weight callbacks under zero3]), and so does ``torch.compile`` of the
+model or of its blocks (param_hooks.py, [Note: zero3 under torch.compile]): none of them is refused any more. What
+ZeRO cannot shard at any stage is refused at setup, naming the feature and the alternative, instead of failing deep
+inside training (sparse gradients).
 
 Everything else Lightning users do under DDP works the same (see tests/distributed/test_lightning_semantics.py).
 """
@@ -20,24 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 from lightning.pytorch.accelerators import XLAAccelerator
-from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 from torch import nn
-
-from lightning_zero.config import ZeroConfig
-
-try:  # Lightning >= 2.5
-    from lightning.pytorch.callbacks import WeightAveraging
-except ImportError:  # pragma: no cover
-    WeightAveraging = None
-
-_REFUSED_UNDER_ZERO3 = {
-    StochasticWeightAveraging: "it deep-copies the model and averages whole parameters",
-    ModelPruning: "it computes pruning masks from whole weights",
-}
-if WeightAveraging is not None:
-    _REFUSED_UNDER_ZERO3[WeightAveraging] = "it keeps an averaged copy of the whole model"
 
 
 class ZeroUnsupportedError(ValueError):
@@ -55,27 +35,10 @@ def refuse_accelerator(accelerator: Any) -> None:
         )
 
 
-def refuse_unsupported(trainer: pl.Trainer, model: nn.Module, config: ZeroConfig) -> None:
-    """Raise before anything is sharded if the Trainer or the model uses a feature this stage cannot support (see
-    [Note: what is refused under zero3, and why])."""
+def refuse_unsupported(model: nn.Module) -> None:
+    """Raise before anything is sharded if the model uses a feature ZeRO cannot support (see [Note: what is refused
+    under zero3, and why])."""
     refuse_sparse_gradients(model)
-    if config.stage != 3:
-        return
-    for callback in trainer.callbacks:
-        for cls, reason in _REFUSED_UNDER_ZERO3.items():
-            if isinstance(callback, cls):
-                raise ZeroUnsupportedError(
-                    f"{type(callback).__name__} cannot run under zero3: {reason}, while zero3 keeps each rank's "
-                    "parameters sharded. Use strategy='zero2' or 'zero1' (full parameters on every rank)."
-                )
-    compiled = [name or type(model).__name__ for name, m in model.named_modules() if _is_compiled(m)]
-    if getattr(model, "_compiler_ctx", None) is not None:
-        compiled.insert(0, type(model).__name__)
-    if compiled:
-        raise ZeroUnsupportedError(
-            f"torch.compile of {compiled[0]!r} cannot run under zero3, which swaps parameter storage around every "
-            "unit's forward and backward. Use strategy='zero2' or 'zero1' with torch.compile, or zero3 uncompiled."
-        )
 
 
 def refuse_sparse_gradients(model: nn.Module) -> None:
@@ -97,14 +60,13 @@ def mark_sharded_for_transformers(model: nn.Module) -> None:
     ``generate()`` when its sequences end at different lengths (``synced_gpus=True``). transformers turns that on by
     itself for a model sharded by DeepSpeed ZeRO-3 or FSDP, which it recognizes by the attribute FSDP2 sets on the
     modules it shards; its modules get it here, so that ``generate()`` needs no argument (RankDivergenceError names
-    ``synced_gpus=True`` where it is missed)."""
+    ``synced_gpus=True`` where it is missed). ``torch.compile`` reads that attribute too, and traces such a module
+    only if it also says that its parameters are the module's own (FSDP's ``use_orig_params``, as ours are): see
+    [Note: zero3 under torch.compile] in sharding/param_hooks.py."""
     for module in model.modules():
         if type(module).__module__.startswith("transformers."):
             module._is_fsdp_managed_module = True
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    return type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo")
+            module._fsdp_use_orig_params = True
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: tuple[Any, ...]) -> None:

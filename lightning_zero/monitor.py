@@ -24,6 +24,15 @@ With the ``popen`` start method rank 0 is the launching process, so ``report()``
 ``fork`` or ``spawn`` the launching process only waits for the workers and runs no callback, so rank 0 also writes
 the summary to ``summary_file`` and ``report()`` in the launching process reads it from there.
 
+[Note: what the report says of torch.compile]
+A compiled model's cost beyond its kernels is its graph breaks (each one leaves the graph, runs Python, enters the next
+one) and its recompilations (each one traces and compiles a frame again). Dynamo counts both for the process
+(``torch._dynamo.utils.counters``); the monitor takes the difference over ``fit`` and over its first training step:
+frames compiled (in the first step, and after it: a frame compiled again is a recompilation, or a first evaluation's,
+whose no-grad forward compiles its own), graphs, and the graph breaks found while tracing, by reason. Under zero3 a
+unit's gather and reshard hooks are graph breaks by design (param_hooks.py, [Note: zero3 under torch.compile]): they
+are counted apart from the others, which are the model's own (a logging call, data-dependent control flow).
+
 [Note: timing a step on a GPU]
 A step's time is taken from where its first batch starts to where its optimizer step has run. On a CPU the host's
 clock measures it: the work is done when the host gets there. On a GPU the host runs ahead of the device, and
@@ -56,6 +65,7 @@ from lightning_zero.config import PER_NODE, ZeroConfig
 from lightning_zero.host_memory import host_memory
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.offload.sizing import SubgroupPlan
+from lightning_zero.sharding.param_hooks import UNIT_HOOK_REASON
 
 _DDP_PRECISION = "32-true"  # DDP's figure is reported in fp32-Adam terms whatever the run's precision (16Ψ)
 
@@ -104,6 +114,9 @@ class MonitorSummary:
     #: The host budget as training started (host_memory.py: what bounds it), and disk offload's sub-groups.
     host_budget: str | None = None
     offload_subgroups: str | None = None
+    #: What torch.compile did during fit (``None``: nothing was compiled): see [Note: what the report says of
+    #: torch.compile].
+    compiled: CompileStats | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -114,7 +127,39 @@ class MonitorSummary:
         for key in ("held", "predicted", "ddp", "placement", "predicted_placement", "optimizer_per_rank"):
             if raw.get(key) is not None:
                 raw[key] = tuple(raw[key])
+        if raw.get("compiled") is not None:
+            raw["compiled"] = CompileStats(**raw["compiled"])
         return cls(**raw)
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """torch.compile during one fit (see [Note: what the report says of torch.compile]): frames compiled in the first
+    training step and after it, graphs, graph breaks at zero3 unit hooks and the others' counts by reason."""
+
+    frames_first_step: int
+    frames_after: int
+    graphs: int
+    unit_breaks: int
+    other_breaks: dict[str, int]
+
+    @classmethod
+    def between(cls, start: tuple, first: tuple, end: tuple) -> CompileStats | None:
+        """From ``compile_counts()`` taken at fit start, after the first training step and at the end."""
+        if end[0] == start[0]:
+            return None
+        breaks = {reason: count - start[2].get(reason, 0) for reason, count in end[2].items()}
+        unit = sum(count for reason, count in breaks.items() if UNIT_HOOK_REASON in reason)
+        other = {reason.strip().splitlines()[0]: count for reason, count in breaks.items()
+                 if count and UNIT_HOOK_REASON not in reason}
+        return cls(first[0] - start[0], end[0] - first[0], end[1] - start[1], unit, other)
+
+
+def compile_counts() -> tuple[int, int, dict[str, int]]:
+    """Dynamo's counts for this process: frames compiled, graphs, graph breaks by reason."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"], counters["stats"]["unique_graphs"], dict(counters["graph_break"])
 
 
 @dataclass(frozen=True)
@@ -186,8 +231,10 @@ class ZeroMonitor(pl.Callback):
         self._last_global_step = 0
         self._unit = "samples/s"
         self._host_budget: str | None = None
+        self._compiles: list[tuple] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._compiles = [compile_counts()]
         self.summary, self._steps, self._timing, self._held, self._owned_state = None, [], [], None, None
         self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
         device = trainer.strategy.root_device
@@ -211,6 +258,8 @@ class ZeroMonitor(pl.Callback):
         comm, cross = _comm_since(comm_at_start, _comm_total(trainer))
         self._timing.append(_TimedStep(started, self._clock.mark(), comm, self._items, cross))
         self._step_start, self._items, self._last_global_step = None, 0, trainer.global_step
+        if len(self._compiles) == 1:
+            self._compiles.append(compile_counts())
         held = _held_bytes(trainer, pl_module)
         if self._held is None:  # optimizer states exist from the first step on; one gather is enough
             self._held = _largest_over_ranks(trainer, pl_module, held)
@@ -224,8 +273,10 @@ class ZeroMonitor(pl.Callback):
             self._read_finished_steps()
         if not self._steps or self._held is None:
             return
+        compiled = CompileStats.between(*self._compiles, compile_counts()) if len(self._compiles) == 2 else None
         self.summary = dataclasses.replace(_summarize(trainer, pl_module, self._held, self._steps, self._unit),
-                                           host_budget=self._host_budget, optimizer_per_rank=self._owned_state)
+                                           host_budget=self._host_budget,
+                                           optimizer_per_rank=self._owned_state, compiled=compiled)
         self._write_summary()
 
     def report(self) -> str:
@@ -333,7 +384,16 @@ def format_report(s: MonitorSummary) -> str:
             f"  throughput: {s.throughput:,.0f} {s.throughput_unit} over all ranks "
             f"(median step of {s.steps_timed} timed)"
         )
+    if s.compiled is not None:
+        lines.append(_compile_line(s.compiled))
     return "\n".join(lines)
+
+
+def _compile_line(c: CompileStats) -> str:
+    others = "; ".join(f"{count} {reason}" for reason, count in c.other_breaks.items())
+    return (f"  torch.compile: {c.frames_first_step} frames compiled in the first step, {c.frames_after} after it; "
+            f"{c.graphs} graphs; graph breaks: {c.unit_breaks} at zero3 unit hooks, "
+            f"{sum(c.other_breaks.values())} others" + (f" ({others})" if others else ""))
 
 
 def _placement(bytes_: tuple[int, int, int], fmt: Any) -> str:

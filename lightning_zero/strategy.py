@@ -49,6 +49,7 @@ from lightning_zero.memory import (
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
+from lightning_zero.sharded_callbacks import adapt_weight_callbacks
 from lightning_zero.sharding.collectives import (
     Collectives,
     CommStats,
@@ -206,7 +207,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self._communicating = False
-        refuse_unsupported(trainer, self.model, self.config)
+        refuse_unsupported(self.model)
         self.topology()  # a shard_group_size or node_size that does not divide the world fails here, on every rank
         self._communicating = True  # from here on an error may leave collectives without a counterpart
         self._start_watchdog()
@@ -241,6 +242,8 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
             self.model, self.config, comms, self.precision_plugin.working_dtype, materialized, offload
         )
         del materialized  # the rows the shards were cut from: the shards own them now
+        if self.config.stage == 3 and not self._runtime.single_rank:
+            adapt_weight_callbacks(trainer, self._runtime, self.gathered_parameters)
         give_back_freed_memory()
         if fitting:
             self.setup_optimizers(trainer)
@@ -344,10 +347,12 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
 
     @override
     def post_training_step(self) -> None:
-        """Manual optimization ran its backward passes inside ``training_step``: the step is over."""
+        """Manual optimization ran its backward passes inside ``training_step``: the step is over; so is a step
+        whose backward Lightning skips (``StochasticWeightAveraging``'s BatchNorm epoch: forwards only)."""
         super().post_training_step()
-        assert self.lightning_module is not None
-        if not self.lightning_module.automatic_optimization:
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization or module.trainer.fit_loop._skip_backward:
             self.runtime.end_step()
 
     @override

@@ -38,6 +38,11 @@ class Approach:
     offload: bool = False
     note: str = ""
     options: dict = field(default_factory=dict)
+    #: torch.compile with inductor (issue 39): "blocks" compiles each transformer Block in place (``block.compile()``,
+    #: before any wrapping, as torchtitan compiles FSDP2's blocks), "model" the whole model; ``None``: eager.
+    compiled: str | None = None
+    #: Lightning's ``EMAWeightAveraging`` in the Trainer's callbacks (issue 39: what the average costs per rank).
+    ema: bool = False
 
 
 APPROACHES: dict[str, Approach] = {
@@ -82,6 +87,18 @@ APPROACHES: dict[str, Approach] = {
                  note="optimizer states, masters and parameter shards in files under offload_dir"),
         Approach("lz_zero3_noreshard", "lightning_zero zero3 reshard_after_forward=False", "lightning",
                  "zero3-noreshard", options=dict(stage=3, reshard_after_forward=False)),
+        Approach("ddp_compiled", "torch DDP, blocks compiled", "loop", "none", compiled="blocks"),
+        Approach("fsdp2_compiled", "FSDP2 reshard_after_forward=True, blocks compiled", "loop", "zero3",
+                 compiled="blocks", note="fully_shard per compiled Block + root"),
+        Approach("lz_zero3_compiled", "lightning_zero zero3, blocks compiled", "lightning", "zero3",
+                 options=dict(stage=3), compiled="blocks"),
+        Approach("lz_zero3_compiled_model", "lightning_zero zero3, model compiled", "lightning", "zero3",
+                 options=dict(stage=3), compiled="model",
+                 note="model.compile(): the graph ends at every unit's hooks"),
+        Approach("lit_ddp_ema", "Lightning DDP + EMA", "lightning", "none", ema=True),
+        Approach("lz_zero3_ema", "lightning_zero zero3 + EMA", "lightning", "zero3", options=dict(stage=3), ema=True),
+        Approach("lz_zero3_offload_ema", "lightning_zero zero3_offload + EMA", "lightning", "zero3", offload=True,
+                 options=dict(stage=3, offload_optimizer="cpu"), ema=True),
     ]
 }
 
@@ -148,7 +165,7 @@ def build_loop(approach: Approach, model, batch: int) -> LoopRun:
 
     from zbench.model import OPTIMIZER, make_optimizer
 
-    name = approach.name
+    name = approach.name.removesuffix("_compiled")  # compiled in place before (worker.py): wrapped the same way
 
     def plain(module, opt):
         def fwd_bwd(x, y):
@@ -253,7 +270,7 @@ def _build_deepspeed(approach: Approach, model, batch: int) -> LoopRun:
 def make_strategy(approach: Approach, world: int):
     if approach.name == "lit_single":
         return "auto"
-    if approach.name == "lit_ddp":
+    if approach.name.startswith("lit_ddp"):
         from lightning.pytorch.strategies import DDPStrategy
 
         # The comm hook is registered by worker.py (Lightning registers hooks only on CUDA).
@@ -265,6 +282,15 @@ def make_strategy(approach: Approach, world: int):
     from lightning_zero import ZeroStrategy
 
     return ZeroStrategy(bucket_mb=BUCKET_MB, units=("Block",), **approach.options)
+
+
+def extra_callbacks(approach: Approach) -> list:
+    """Lightning callbacks the approach trains with, besides the benchmark's own."""
+    if not approach.ema:
+        return []
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    return [EMAWeightAveraging(decay=0.999)]
 
 
 def lightning_env_ok() -> bool:

@@ -90,6 +90,13 @@ class BenchGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def compile_model(model: BenchGPT, scope: str, backend: str = "inductor") -> None:
+    """torch.compile in place: each Block (``scope="blocks"``) or the whole model (``"model"``); compiled on the
+    first step, which the warm-up covers."""
+    for module in model.blocks if scope == "blocks" else [model]:
+        module.compile(backend=backend)
+
+
 def build_model(size: ModelSize, seed: int = 0) -> BenchGPT:
     """The same initial weights on every rank and for every approach."""
     torch.manual_seed(seed)

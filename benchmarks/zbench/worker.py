@@ -33,9 +33,11 @@ import time
 
 import torch
 
-from zbench.approaches import APPROACHES, LoopRun, build_loop, import_for, init_process_group, make_strategy
+from zbench.approaches import (
+    APPROACHES, LoopRun, build_loop, extra_callbacks, import_for, init_process_group, make_strategy,
+)
 from zbench.measure import CollectiveCounter, PeakRss, held_tensor_bytes, peak_rss, rss_now, wchar
-from zbench.model import ModelSize, build_model, make_batches, make_optimizer
+from zbench.model import ModelSize, build_model, compile_model, make_batches, make_optimizer
 
 
 class Recorder:
@@ -254,7 +256,7 @@ def run_lightning(approach, model, batches, rec: Recorder, world: int) -> dict:
         enable_model_summary=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
-        callbacks=[Hooks()],
+        callbacks=[Hooks(), *extra_callbacks(approach)],
     )
     trainer.fit(BenchModule())
     return info
@@ -291,6 +293,8 @@ def main(spec: dict) -> None:
     batches = make_batches(size, spec["batch"], total, rank)
     model = build_model(size)
     n_params = sum(p.numel() for p in model.parameters())
+    if approach.compiled:
+        compile_model(model, approach.compiled)
     profile = spec.get("profile") and os.path.join(spec["outdir"], f"{spec['run_id']}.rank{rank}.torchprof")
     rec = Recorder(counter, spec["warmup"], total, approach.distributed, profile_dir=profile or None)
     if spec.get("timers"):

@@ -27,6 +27,7 @@ from lightning_zero.checkpoint.sharded import (
     model_tensors,
     open_checkpoint,
     optimizer_tensors,
+    rows_as_dtensors,
     save_sharded,
     verify_rows,
 )
@@ -78,6 +79,7 @@ class ShardedCheckpointHooks:
         runtime = self.runtime
         runtime.check_offloaded_files()
         runtime.adopt_edits()
+        rows_as_dtensors(checkpoint, self._mesh(), runtime.comms.rank, runtime.comms.world_size)
         optimizers = [runtime.sharded(_unwrap(o)) for o in self.optimizers]  # as Lightning lists optimizer_states
         facts = {
             "stage": self.config.stage,

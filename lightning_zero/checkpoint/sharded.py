@@ -34,6 +34,7 @@ from lightning_zero.checkpoint.torch_file import (
 )
 from lightning_zero.sharding.flat_param import ParamShard, ShardSpec
 from lightning_zero.sharding.optimizer import ShardedOptimizer, is_per_element
+from lightning_zero.sharding.sharded_grad import ShardedRows
 
 #: Version of ``checkpoint["lightning_zero"]`` in a checkpoint file (1 was the directory format).
 FORMAT_VERSION = 2
@@ -55,6 +56,27 @@ def model_tensors(module: nn.Module, shards: list[ParamShard], mesh: DeviceMesh)
         name: by_param.get(id(value), value.detach().cpu() if torch.is_tensor(value) else value)
         for name, value in module.state_dict(keep_vars=True).items()
     }
+
+
+def rows_as_dtensors(obj: Any, mesh: DeviceMesh, rank: int, world_size: int) -> Any:
+    """``obj`` (a checkpoint, or a part of it) with every ``ShardedRows`` in it (a stage-3 parameter's values in a
+    ``state_dict()``, a weight-averaging callback's sharded average: see [Note: Lightning's weight callbacks under
+    zero3] in sharded_callbacks.py) replaced by its rows as a ``Shard(0)`` DTensor, which ``save_sharded`` writes
+    as it writes the model's; dictionaries and lists are changed in place."""
+    if isinstance(obj, ShardedRows):
+        spec = ShardSpec(obj.shape, rank, world_size)
+        if spec.owned_rows() != (obj._layout.lo, obj._layout.hi):
+            raise CheckpointError(f"{obj!r} holds rows {obj._layout.lo}-{obj._layout.hi}; rank {rank} of "
+                                  f"{world_size} saves rows {spec.owned_rows()}")
+        return shard_dtensor(obj._local.detach(), spec, mesh)
+    if isinstance(obj, MutableMapping):
+        for key, value in obj.items():
+            obj[key] = rows_as_dtensors(value, mesh, rank, world_size)
+    elif isinstance(obj, list):
+        obj[:] = [rows_as_dtensors(value, mesh, rank, world_size) for value in obj]
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(rows_as_dtensors(value, mesh, rank, world_size) for value in obj)
+    return obj
 
 
 def optimizer_tensors(sharded: ShardedOptimizer, mesh: DeviceMesh) -> dict[str, Any]:

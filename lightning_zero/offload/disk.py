@@ -63,6 +63,7 @@ from lightning_zero.offload.staging import HostArena, Ticket, Transfers, plan_sl
 from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.grad_hooks import ShardStorage
 from lightning_zero.sharding.optimizer import ShardedOptimizer
+from lightning_zero.sharding.sharded_param import plain_data
 
 __all__ = ["DiskOffload", "OffloadDiskError", "private_directory"]
 
@@ -157,6 +158,7 @@ class DiskOffload(HostOffload):
         else:
             shard.working = shard.local.to(shard.dtype, copy=True)
         shard.local = self.store.create(shard.local, master_dtype)
+        shard.master_in_file = True
         if shard.sharded:
             shard.to_sharded()
 
@@ -397,7 +399,7 @@ class DiskOffload(HostOffload):
         as under DDP; their disk space returns when the optimizer goes."""
         self._io.shutdown(wait=True)
         for shard in self.shards:
-            full = shard.param.detach()
+            full = plain_data(shard.param)
             shard.local = shard.spec.local_view(full) if full.shape == shard.spec.shape else torch.empty(0)
             if self.params_on_disk:
                 shard.working = None

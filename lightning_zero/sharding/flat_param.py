@@ -51,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.sharding.sharded_grad import ShardedGrad
-from lightning_zero.sharding.sharded_param import placeholder, sharded_class
+from lightning_zero.sharding.sharded_param import placeholder, plain_data, sharded_class
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,10 @@ class ParamShard:
     written_ptr: int = -1
     written_storage: int = -1
     written_exact: bool = True
+    #: A stage-3 parameter: whole only while its unit is gathered (``to_sharded`` was called once).
+    by_unit: bool = False
+    #: The master lives in a file (disk offload): what is put into it is copied there, never aliased.
+    master_in_file: bool = False
 
     def __post_init__(self) -> None:
         #: The parameter's own class, which it has whenever it holds values.
@@ -173,7 +177,7 @@ class ParamShard:
         shape])."""
         self.param.data = placeholder(self.spec.shape, self.dtype, self.device)
         self.param.__class__ = sharded_class(self.param_class)
-        self.sharded = True
+        self.sharded = self.by_unit = True
         self.mark_written()
 
     def to_unsharded(self, storage: Tensor) -> None:
@@ -201,10 +205,9 @@ class ParamShard:
         what user code sees of a parameter and its gradient] in user_view.py): a rebinding of ``.data``, an edit
         autograd's version counter sees, and, with ``compare``, any change of the values (a write through ``.data``
         moves no version counter), element by element and without a host synchronisation."""
-        with torch._C.DisableTorchFunctionSubclass():
-            rebound = self.param.data_ptr() != self.written_ptr
-        if rebound and not self.released:
-            self._follow_rebinding(self.param.detach())
+        full = plain_data(self.param)
+        if full.data_ptr() != self.written_ptr and not self.released:
+            self._follow_rebinding(full)
             return
         compare = compare and self.written_exact
         if self.sharded or (not compare and self.param._version == self.written_version):
@@ -220,19 +223,25 @@ class ParamShard:
         ``other``, as under DDP (``ModelPruning``'s lottery-ticket reset relies on it): shards that were views of the
         old parameter become views of the new one, and a floating-point tensor of another dtype becomes the
         parameter's working dtype (an fp32 tensor put into a bf16 parameter under mixed precision: DDP's parameters
-        are fp32 there). A sharded stage-3 parameter holds no values between uses, so it is emptied again, in its
-        own dtype, after its rows were taken."""
+        are fp32 there). A stage-3 parameter holds its values only while its unit is gathered: its rows are taken
+        (``take_rows``), it keeps its working dtype, and a sharded one is emptied again."""
         if full.shape != self.spec.shape:
             raise ValueError(
                 f"parameter {self.name!r} was rebound to a tensor of shape {tuple(full.shape)} (`.data = ...`), its "
                 f"shape is {tuple(self.spec.shape)}: ZeRO keeps each parameter's shape for its whole life; build the "
                 "model with the final shapes"
             )
-        follows_dtype = full.dtype.is_floating_point and self.dtype.is_floating_point and not self.sharded
+        if self.by_unit:
+            self.take_rows(self.spec.local_view(full))
+            if self.sharded:
+                self.to_sharded()
+            self.mark_written()
+            return
+        follows_dtype = full.dtype.is_floating_point and self.dtype.is_floating_point
         if full.device != self.device or (full.dtype != self.dtype and not follows_dtype):
             full = full.to(self.device, self.dtype)
             self.param.data = full
-        self.dtype = full.dtype if not self.sharded else self.dtype
+        self.dtype = full.dtype
         old = [d is not None and d.untyped_storage().data_ptr() == self.written_storage for d in (self.local, self.working)]
         rows = self.spec.local_view(full)
         if old[0]:
@@ -243,9 +252,23 @@ class ParamShard:
             self.working = rows
         elif self.working is not None:
             self.working.copy_(rows)
-        if self.sharded:
-            self.to_sharded()
         self.mark_written()
+
+    @torch.no_grad()
+    def take_rows(self, rows: Tensor) -> None:
+        """A stage-3 parameter's rows become ``rows`` (of ``spec.local_shape``: a rebinding's, see
+        ``_follow_rebinding``, or a ``ShardedValues``' assigned to ``.data``). The master aliases them where it can
+        (same dtype and device, contiguous, not in a file), as DDP's parameter aliases the tensor it was rebound to
+        (a second lottery-ticket reset from the same copy then changes nothing, as under DDP); else they are copied
+        in (cast to the master's dtype). An offload's working rows take them too."""
+        rows = rows.reshape(self.spec.local_shape) if rows.shape != self.spec.local_shape else rows
+        aliasable = rows.dtype == self.local.dtype and rows.device == self.local.device and rows.is_contiguous()
+        if aliasable and not self.master_in_file:
+            self.local = rows
+        else:
+            self.local.copy_(rows)
+        if self.working is not None:
+            self.working.copy_(rows)
 
     def grad_rows(self) -> Tensor | None:
         """This rank's rows of the gradient the step uses, shaped ``spec.local_shape``: what ``param.grad`` holds
@@ -273,7 +296,7 @@ class ParamShard:
         if grad is None or (grad.shape == self.param.shape and grad.dtype == self.param.dtype):
             self.param.grad = grad
             return
-        data = self.param.data
+        data = plain_data(self.param)
         self.param.data = placeholder(grad.shape, grad.dtype, grad.device)
         try:
             self.param.grad = grad

@@ -30,7 +30,7 @@ from lightning_zero.memory import MappedPages
 from lightning_zero.sharding.collectives import Collectives
 from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.ownership import Ownership, sharding_mode
-from lightning_zero.sharding.sharded_param import placeholder
+from lightning_zero.sharding.sharded_param import placeholder, plain_data
 
 class ShardedOptimizer:
     """Steps ``optimizer`` on the local shards of its parameters (see the module docstring), or, for an optimizer
@@ -165,7 +165,7 @@ class ShardedOptimizer:
         saved = []
         for shard in self.shards if only is None else only:
             param = shard.param
-            saved.append((shard, param.data, param.grad, type(param)))
+            saved.append((shard, plain_data(param), param.grad, type(param)))
             param.__class__ = shard.param_class  # a sharded stage-3 parameter: its shard's values are read here
             param.data = shard.local if data is None or shard not in data else data[shard]
             if grads is not None:

@@ -27,6 +27,22 @@ values (unit_state.py, [Note: hpZ's secondary shards]) and cross no node. ``gath
 ``gathered_parameters``, checkpoints) and everything after fit see the exact values: a unit gathered quantized is
 gathered again in full precision there. The optimizer updates the fp32 masters from gradients computed through the
 quantized weights; the masters themselves never hold quantized values.
+
+[Note: zero3 under torch.compile]
+A model compiled whole (``model.compile()``, ``torch.compile(module)``, in ``__init__`` or ``configure_model``) or
+block by block runs under zero3 as under DDP. The unit hooks gather, free and reduce, with collectives, Python state
+and ``.data`` swaps that a graph cannot hold, so they are ``torch._dynamo.disable``d (as FSDP2's are): a compiled
+region that reaches one ends its graph there, the hook runs eagerly, and tracing resumes after it in a new graph.
+Graph breaks therefore come at unit boundaries (``ZeroMonitor``'s report counts them by reason, ``UNIT_HOOK_REASON``
+for these); a block compiled on its own has its unit's hooks outside its graph (on its ``__call__``) and none. Inside a
+unit its parameters are plain ``nn.Parameter``s whose ``.data`` is a view of the gathered storage: it changes from
+gather to gather, never its shape, dtype or strides, so the guards dynamo puts on the parameters hold from step to step
+and nothing recompiles after the first step. Backward runs each region's compiled backward between the eager hooks
+that gather the unit again and reduce its gradients; the parameters a forward graph saved are views of the unit's
+storage, refilled by that gather ([Note: how a full parameter is freed and restored] in unit_state.py). Hugging Face's
+modules, which lightning_compat.py marks as FSDP-managed for ``generate()``, must also say that their parameters are
+the module's own (FSDP's ``use_orig_params``): dynamo then traces them as it traces FSDP's modules, without guards on
+their parameters, where it otherwise ended its graph at each of them (a small GPT-2: 25 of its 102 operations captured).
 """
 
 from __future__ import annotations
@@ -52,6 +68,10 @@ from lightning_zero.sharding.unit_state import (
     Unit,
     UnitState,
 )
+
+
+#: Why a compiled region's graph ends at a unit's hook (dynamo names it in the graph break's reason).
+UNIT_HOOK_REASON = "a zero3 unit's gather or reshard hook"
 
 
 class _PostBackward(torch.autograd.Function):
@@ -120,8 +140,9 @@ class ShardedParams:
         self._warned_unused = False
         self._hooks = []
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
-            self._hooks.append(unit.module.register_forward_hook(self._post_forward_hook(unit)))
+            pre, post = _eager(self._pre_forward_hook(unit)), _eager(self._post_forward_hook(unit))
+            self._hooks.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._hooks.append(unit.module.register_forward_hook(post))
         self._grad_hooks = GradHooks(lambda shard: self._mark(self._unit_of[shard], shard))
         self._unit_of = {shard: unit for unit in self.all_units for shard in unit.shards}
         self._grad_hooks.cover(self._unit_of)
@@ -381,6 +402,11 @@ class ShardedParams:
             hook.remove()
         self._hooks.clear()
         self._grad_hooks.remove()
+
+
+def _eager(hook: Callable) -> Callable:
+    """A unit hook that a compiled region calls but does not trace (see [Note: zero3 under torch.compile])."""
+    return torch._dynamo.disable(hook, recursive=True, reason=UNIT_HOOK_REASON)
 
 
 def _route_through_post_backward(callback, args: tuple, kwargs: dict):

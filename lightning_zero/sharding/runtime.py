@@ -206,6 +206,7 @@ class ZeroRuntime:
             self.wait()
         self._sync_buffers(training, fitting)
         self.adopt_rebindings()
+        self.push_written_masters()
         self.parameters.begin_step()
 
     def _sync_buffers(self, training: bool, fitting: bool) -> None:
@@ -229,6 +230,13 @@ class ZeroRuntime:
             self.wait()
             for shard in rebound:
                 shard.adopt_edits(compare=False)
+
+    def push_written_masters(self) -> None:
+        """Stage-3 masters user code wrote through a parameter's values (``p.data.copy_(...)`` between steps: see
+        [Note: a parameter's values between its uses]) go where the gathers read them: an offload pushes them to
+        its working rows (otherwise the gathers read the masters themselves)."""
+        if self.user_view.take_written() and self.offload is not None:
+            self.offload.refresh()
 
     def reading_guard(self):
         """Around ``training_step``: a parameter whose all-gather is still in flight is completed before any
@@ -351,6 +359,7 @@ class ZeroRuntime:
         if self.released:  # after fit the module holds its full parameters already: nothing to gather or free
             yield
             return
+        self.push_written_masters()
         with self.parameters.gathered():
             yield
 

@@ -29,6 +29,10 @@ answers each operation from the shards of every rank:
 A ``ShardedGrad`` has no storage of its own; its ``RowLayout`` says which rows of the full tensor the rank holds
 (a 0-d tensor, or a row picked out of the first dimension, counts as one row held by one rank). The optimizer step
 takes the shard back (``grad_rows``), so an edit in a hook is what the step uses.
+
+The machinery is ``ShardedRows``'; ``ShardedGrad`` only says that its rows are a gradient's. The values of a stage-3
+parameter between its uses answer the same way (``sharded_param.ShardedValues``, [Note: a parameter's values between
+its uses]).
 """
 
 from __future__ import annotations
@@ -50,14 +54,14 @@ class ShardedGradientError(RuntimeError):
 
 
 class Reducer(Protocol):
-    """What a ``ShardedGrad`` needs from its owner (``user_view.UserView``)."""
+    """What a ``ShardedRows`` needs from its owner (``user_view.UserView``, or its ``ValuesOwner``)."""
 
     def all_reduce(self, tensor: Tensor, op: str) -> Tensor:
         """``tensor`` reduced across the ranks holding the other rows with ``op`` ("sum", "max" or "min")."""
 
 
     def changed(self) -> None:
-        """A sharded gradient was written in place."""
+        """Its rows were written in place."""
 
     def whole_norms(self, ord: float) -> dict[int, Tensor]:
         """The ``ord``-norm of every whole gradient handed out, by its key."""
@@ -98,9 +102,11 @@ class RowLayout:
         return RowLayout(self.shape[1:], 0, int(held), single=True)
 
 
-class ShardedGrad(torch.Tensor):
-    """This rank's rows (``local``) of a gradient of ``layout.shape`` (see [Note: a sharded gradient answers as
-    the full one]). ``key`` names the parameter whose whole gradient this is (``None`` for tensors derived from one)."""
+class ShardedRows(torch.Tensor):
+    """This rank's rows (``local``) of a tensor of ``layout.shape`` that answers as the full tensor would (see [Note:
+    a sharded gradient answers as the full one]); ``ShardedGrad`` is a gradient's, ``sharded_param.ShardedValues`` a
+    stage-3 parameter's values. ``key`` names the parameter whose whole gradient this is (``None`` for tensors
+    derived from one, and for values). A subclass says what it is in ``__repr__`` and ``refusal``."""
 
     _local: Tensor
     _layout: RowLayout
@@ -114,19 +120,22 @@ class ShardedGrad(torch.Tensor):
     def __new__(cls, local: Tensor, layout: RowLayout, owner: Reducer, name: str, key: int | None = None):
         if local.shape != layout.local_shape:
             raise AssertionError(f"{name}: local rows of shape {tuple(local.shape)}, layout {layout}")
-        grad = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype, device=local.device,
+        rows = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype, device=local.device,
                                                    requires_grad=False)
-        grad._local, grad._layout, grad._owner, grad._name, grad._key = local, layout, owner, name, key
-        return grad
+        rows._local, rows._layout, rows._owner, rows._name, rows._key = local, layout, owner, name, key
+        return rows
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def refusal(self, what: str) -> Exception:
+        """The error for ``what``, an operation that would need the other ranks' rows as values."""
+        raise NotImplementedError
+
+    def _where(self) -> str:
         layout = self._layout
-        where = (f"rows {layout.lo}-{layout.hi} of {layout.rows}" if not layout.single else
-                 ("held here" if layout.hi else "held by another rank"))
-        return (f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, {where}: this "
-                f"rank's shard of the averaged gradient of {self._name})")
+        return (f"rows {layout.lo}-{layout.hi} of {layout.rows}" if not layout.single else
+                ("held here" if layout.hi else "held by another rank"))
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return repr(self)
 
     def __format__(self, spec: str) -> str:
         return repr(self)
@@ -138,19 +147,23 @@ class ShardedGrad(torch.Tensor):
         return self._local.data_ptr()
 
     def tolist(self):
-        refuse("tolist()", self._name)
+        refuse("tolist()", self)
 
     def numpy(self, *, force: bool = False):
-        refuse("numpy()", self._name)
+        refuse("numpy()", self)
 
     def __array__(self, *args, **kwargs):
-        refuse("converting it to a NumPy array", self._name)
+        refuse("converting it to a NumPy array", self)
 
-    def __deepcopy__(self, memo):  # a module copied with its gradients (copy.deepcopy) keeps them sharded
-        return ShardedGrad(self._local.clone(), self._layout, self._owner, self._name)
+    def __deepcopy__(self, memo):  # a module copied with them (copy.deepcopy) keeps them sharded
+        copied = type(self)(self._local.clone(), self._layout, self._owner, self._name)
+        if getattr(self, "_is_param", False):  # a parameter of a copy of a sharded model (nn.Parameter's flag)
+            copied = torch.nn.Parameter(copied, self.requires_grad)
+        memo[id(self)] = copied
+        return copied
 
     def __reduce_ex__(self, protocol):
-        refuse("pickling (torch.save)", self._name)
+        refuse("pickling (torch.save)", self)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -162,36 +175,50 @@ class ShardedGrad(torch.Tensor):
             return element_wise(func, args, kwargs)
         if func.__name__.startswith("_foreach_"):
             return HANDLERS["foreach"](func, args, kwargs)
-        refuse(f"{func.overloadpacket.__name__}()", _first(args, kwargs)._name)
+        refuse(f"{func.overloadpacket.__name__}()", _first(args, kwargs))
+
+
+class ShardedGrad(ShardedRows):
+    """This rank's rows of a parameter's averaged gradient (see [Note: a sharded gradient answers as the full
+    one])."""
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, {self._where()}: "
+                f"this rank's shard of the averaged gradient of {self._name})")
+
+    def refusal(self, what: str) -> Exception:
+        return ShardedGradientError(
+            f"{what} on the gradient of {self._name!r}: outside the optimizer's step each rank holds only its rows "
+            "of the averaged gradient, and this operation would need the other ranks' rows as values. Norms, "
+            "clipping, element-wise edits, indexing and reductions work on it as on the full gradient; for anything "
+            "else use `with trainer.strategy.gathered_gradients():` (every rank must enter it; edits made inside are "
+            "kept)"
+        )
 
 
 def held_rows(tensor: Tensor) -> Tensor:
-    """The memory behind ``tensor``: a ``ShardedGrad``'s rows, or the tensor itself (for memory accounting)."""
-    return tensor._local if isinstance(tensor, ShardedGrad) else tensor
+    """The memory behind ``tensor``: a ``ShardedRows``' rows, or the tensor itself (for memory accounting)."""
+    return tensor._local if isinstance(tensor, ShardedRows) else tensor
 
 
-def refuse(what: str, name: str) -> None:
-    raise ShardedGradientError(
-        f"{what} on the gradient of {name!r}: outside the optimizer's step each rank holds only its rows of the "
-        "averaged gradient, and this operation would need the other ranks' rows as values. Norms, clipping, "
-        "element-wise edits, indexing and reductions work on it as on the full gradient; for anything else use "
-        "`with trainer.strategy.gathered_gradients():` (every rank must enter it; edits made inside are kept)"
-    )
+def refuse(what: str, of: ShardedRows) -> None:
+    """Raise ``of``'s error for ``what``, an operation that would need the other ranks' rows as values."""
+    raise of.refusal(what)
 
 
-def _first(args, kwargs) -> ShardedGrad:
-    return next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedGrad))
+def _first(args, kwargs) -> ShardedRows:
+    return next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedRows))
 
 
-def wrap(local: Tensor, layout: RowLayout, like: ShardedGrad, key: int | None = None) -> ShardedGrad:
+def wrap(local: Tensor, layout: RowLayout, like: ShardedRows, key: int | None = None) -> ShardedRows:
     """``local`` rows of a tensor of ``layout``, with ``like``'s owner and name."""
-    return ShardedGrad(local, layout, like._owner, like._name, key)
+    return type(like)(local, layout, like._owner, like._name, key)
 
 
 def rows_of(value: Any, layout: RowLayout) -> Any:
     """A plain operand of an element-wise operation on tensors of ``layout``: its rows where it varies along the
     first dimension (a full-shape mask, a full gradient), as it is where it broadcasts over it."""
-    if not isinstance(value, Tensor) or isinstance(value, ShardedGrad) or layout.single:
+    if not isinstance(value, Tensor) or isinstance(value, ShardedRows) or layout.single:
         return value
     if value.dim() < len(layout.shape) or value.shape[0] == 1:
         return value
@@ -210,31 +237,31 @@ def _written(func, args: Sequence[Any], kwargs: dict) -> list[Any]:
 
 
 def element_wise(func, args, kwargs):
-    grads = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedGrad)]
-    layout = grads[0]._layout
-    name = grads[0]._name
-    if any(g._layout != layout for g in grads):
-        refuse(f"{func.overloadpacket.__name__}() between differently sharded tensors", name)
+    sharded = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedRows)]
+    layout = sharded[0]._layout
+    first = sharded[0]
+    if any(g._layout != layout for g in sharded):
+        refuse(f"{func.overloadpacket.__name__}() between differently sharded tensors", first)
     written = _written(func, args, kwargs)
-    if any(isinstance(w, Tensor) and not isinstance(w, ShardedGrad) for w in written):
-        refuse(f"writing it into a plain tensor ({func.overloadpacket.__name__}())", name)
+    if any(isinstance(w, Tensor) and not isinstance(w, ShardedRows) for w in written):
+        refuse(f"writing it into a plain tensor ({func.overloadpacket.__name__}())", first)
     try:
-        local_args, local_kwargs = tree_map(lambda v: v._local if isinstance(v, ShardedGrad) else rows_of(v, layout),
+        local_args, local_kwargs = tree_map(lambda v: v._local if isinstance(v, ShardedRows) else rows_of(v, layout),
                                             (args, kwargs))
     except ShardedGradientError as err:
-        refuse(f"{func.overloadpacket.__name__}() with {err}", name)
+        refuse(f"{func.overloadpacket.__name__}() with {err}", first)
     out = func(*local_args, **local_kwargs)
     if written:
-        grads[0]._owner.changed()
+        first._owner.changed()
         return written[0] if len(written) == 1 else tuple(written)
     if isinstance(out, Tensor):
         if out.shape != layout.local_shape:
-            refuse(f"{func.overloadpacket.__name__}() broadcasting it to a larger shape", name)
-        return wrap(out, layout, grads[0])
+            refuse(f"{func.overloadpacket.__name__}() broadcasting it to a larger shape", first)
+        return wrap(out, layout, first)
     return out
 
 
-#: What ``ShardedGrad`` answers beyond the element-wise operations, by aten operator: filled by sharded_grad_ops.py
+#: What ``ShardedRows`` answers beyond the element-wise operations, by aten operator: filled by sharded_grad_ops.py
 #: (imported with ``lightning_zero.sharding.user_view``, which makes every ``ShardedGrad``).
 HANDLERS: dict[Any, Callable] = {}
 #: Operators that work row by row without being tagged point-wise (fills, copies, clamps).

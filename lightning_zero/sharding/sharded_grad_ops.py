@@ -1,4 +1,4 @@
-"""The operations a ``ShardedGrad`` answers beyond element-wise ones (sharded_grad.py, [Note: a sharded gradient
+"""The operations a ``ShardedRows`` answers beyond element-wise ones (sharded_grad.py, [Note: a sharded gradient
 answers as the full one]): reductions over the ranks' rows, views and indexing in the full tensor's indices, new
 tensors like it, and foreach operations. Each registers itself in ``sharded_grad.HANDLERS``."""
 
@@ -16,7 +16,7 @@ from lightning_zero.sharding.sharded_grad import (
     ELEMENT_WISE,
     HANDLERS,
     RowLayout,
-    ShardedGrad,
+    ShardedRows,
     element_wise,
     refuse,
     rows_of,
@@ -40,7 +40,7 @@ def _all_dims(layout: RowLayout, dim: Any) -> tuple[list[int], bool]:
     return dims, 0 in dims or ndim == 0
 
 
-def _combine(x: ShardedGrad, partial: Tensor, op: str, local_dims: list[int], keepdim: bool, single: bool) -> Tensor:
+def _combine(x: ShardedRows, partial: Tensor, op: str, local_dims: list[int], keepdim: bool, single: bool) -> Tensor:
     """All-reduce each rank's ``partial`` (kept dims of size 1) with ``op``; drop the reduced dimensions."""
     work = partial.float() if partial.dtype in (torch.float16, torch.bfloat16) else partial
     combined = x._owner.all_reduce(work.contiguous(), op)
@@ -66,7 +66,7 @@ def _partial(local: Tensor, dims: list[int], op: str, p: float | None = None) ->
     return work.amax(dim=dims, keepdim=True) if op == "max" else work.amin(dim=dims, keepdim=True)
 
 
-def _reduce(x: ShardedGrad, dim, keepdim: bool, op: str, p: float | None, finish: Callable[[Tensor], Tensor], out_dtype,
+def _reduce(x: ShardedRows, dim, keepdim: bool, op: str, p: float | None, finish: Callable[[Tensor], Tensor], out_dtype,
             local_op: Callable[[Tensor], Tensor]) -> Any:
     dims, across = _all_dims(x._layout, dim)
     if not across:  # the rows stay: a sharded result
@@ -104,7 +104,7 @@ def _extreme(op: str):
         x, dim, keepdim = _args(func, args, kwargs, ("self", "dim", "keepdim"), (None, None, False))
         if func._overloadname in ("dim", "dim_max", "dim_min"):  # (values, indices): indices are one rank's
             if _all_dims(x._layout, dim)[1]:
-                refuse(f"{func.overloadpacket.__name__}(dim=...) over the rows (it returns indices)", x._name)
+                refuse(f"{func.overloadpacket.__name__}(dim=...) over the rows (it returns indices)", x)
             values, indices = func(x._local, *args[1:], **kwargs)
             shape = torch.Size((x._layout.shape[0], *values.shape[1:]))
             layout = RowLayout(shape, x._layout.lo, x._layout.hi)
@@ -148,11 +148,11 @@ def _count_nonzero(func, args, kwargs):
 
 def _equal(func, args, kwargs):
     a, b = args[0], args[1]
-    if not isinstance(a, ShardedGrad):
+    if not isinstance(a, ShardedRows):
         a, b = b, a
     if a.shape != b.shape:
         return False
-    same = torch.equal(a._local, b._local if isinstance(b, ShardedGrad) else rows_of(b, a._layout))
+    same = torch.equal(a._local, b._local if isinstance(b, ShardedRows) else rows_of(b, a._layout))
     flag = torch.tensor([float(same)], device=a.device)
     return bool(a._owner.all_reduce(flag, "min").item())
 
@@ -160,7 +160,7 @@ def _equal(func, args, kwargs):
 def _item(func, args, kwargs):
     x = args[0]
     if x.numel() != 1:
-        refuse("item()", x._name)
+        refuse("item()", x)
     total = x._owner.all_reduce(x._local.reshape(-1).double().sum().reshape(1), "sum")
     value = total.to(x.dtype)
     return value.item() if func.overloadpacket is aten._local_scalar_dense else bool(value.item())
@@ -201,7 +201,7 @@ def _slice(func, args, kwargs):
         shape = func(torch.empty(x.shape, device="meta"), dim, start, end, step).shape
         return wrap(local, replace(layout, shape=shape), x)
     if step != 1:
-        refuse("a strided slice of the first dimension", x._name)
+        refuse("a strided slice of the first dimension", x)
     start, end, _ = slice(start, end).indices(layout.rows)
     end = max(end, start)
     narrowed = layout.narrowed(start, end)
@@ -228,11 +228,11 @@ def _view(func, args, kwargs):
     layout = x._layout
     shape = torch.empty(x.shape, device="meta").view(size).shape if -1 in list(size) else torch.Size(size)
     if layout.single or len(shape) == 0:
-        refuse(f"a view of shape {tuple(shape)}", x._name)
+        refuse(f"a view of shape {tuple(shape)}", x)
     old_row, new_row = layout.row_numel, math.prod(shape[1:])
     first, last = layout.lo * old_row, layout.hi * old_row
     if new_row == 0 or first % new_row or last % new_row:
-        refuse(f"a view of shape {tuple(shape)} that splits this rank's rows", x._name)
+        refuse(f"a view of shape {tuple(shape)} that splits this rank's rows", x)
     new = RowLayout(shape, first // new_row, last // new_row)
     return wrap(x._local.reshape(new.local_shape), new, x)
 
@@ -240,7 +240,7 @@ def _view(func, args, kwargs):
 def _unsqueeze(func, args, kwargs):
     x, dim = args[0], args[1]
     if x._layout.single or dim % (x.dim() + 1) == 0:
-        refuse("unsqueeze() in front of the first dimension", x._name)
+        refuse("unsqueeze() in front of the first dimension", x)
     dim %= x.dim() + 1
     shape = torch.Size((*x.shape[:dim], 1, *x.shape[dim:]))
     return wrap(x._local.unsqueeze(dim), replace(x._layout, shape=shape), x)
@@ -251,11 +251,11 @@ def _index_put(func, args, kwargs):
                                            (None, None, None, False))
     layout = x._layout
     if layout.single or not indices:
-        refuse("indexed assignment", x._name)
+        refuse("indexed assignment", x)
     first, rest = indices[0], list(indices[1:])
     if torch.is_tensor(values) and values.dim() > 0 and not (first is None and values.numel() == 1):
         if first is not None:
-            refuse("indexed assignment of several values", x._name)
+            refuse("indexed assignment of several values", x)
     if first is None:
         local_indices = [None, *rest]
         values = rows_of(values, layout) if torch.is_tensor(values) and values.dim() == x.dim() else values
@@ -300,23 +300,29 @@ def _new(func, args, kwargs):
 
 
 def _foreach(func, args, kwargs):
+    """A ``_foreach_`` operation: on the rows of the sharded tensors among the first list's, on the plain ones (a
+    module's buffers averaged with its parameters) as they are."""
     lists = [a for a in args if isinstance(a, (list, tuple))]
-    grads = [g for g in lists[0] if isinstance(g, ShardedGrad)] if lists else []
-    if not grads or len(grads) != len(lists[0]):
-        refuse(f"{func.overloadpacket.__name__}() of sharded and plain gradients together",
-                grads[0]._name if grads else "?")
-    layouts = [g._layout for g in lists[0]]
+    first = list(lists[0]) if lists else []
+    sharded = [t for t in first if isinstance(t, ShardedRows)]
+    layouts = [t._layout if isinstance(t, ShardedRows) else None for t in first]
+    for arg in lists[1:]:
+        if any(isinstance(v, ShardedRows) and layout is None for v, layout in zip(arg, layouts)):
+            refuse(f"writing it into a plain tensor ({func.overloadpacket.__name__}())",
+                   next(v for v in arg if isinstance(v, ShardedRows)))
 
     def local(arg):
         if isinstance(arg, (list, tuple)):
-            return [v._local if isinstance(v, ShardedGrad) else rows_of(v, layout) for v, layout in zip(arg, layouts)]
+            return [v._local if isinstance(v, ShardedRows) else v if layout is None else rows_of(v, layout)
+                    for v, layout in zip(arg, layouts)]
         return arg
 
     out = func(*[local(a) for a in args], **kwargs)
     if func._schema.is_mutable:
-        grads[0]._owner.changed()
+        if sharded:
+            sharded[0]._owner.changed()
         return None
-    return [wrap(o, layout, g) for o, layout, g in zip(out, layouts, lists[0])]
+    return [o if layout is None else wrap(o, layout, t) for o, layout, t in zip(out, layouts, first)]
 
 
 def _foreach_norm(func, args, kwargs):

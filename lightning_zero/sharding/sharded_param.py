@@ -15,18 +15,40 @@ a gathered parameter is restored to its own class, so the forward and backward r
 
 ``torch.equal`` between two parameters answers by identity: Lightning's ``BaseFinetuning`` looks a parameter up
 among an optimizer's with it (under DDP by value, which is the same answer unless two parameters hold equal values).
-One door stays open and is documented: ``p.data`` and ``p.detach()`` (what ``state_dict()`` holds) give the
-placeholder, whose values are NaN, so that ``state_dict()`` has the model's keys and shapes. The runtime itself reads
-values only where it has restored the class (the optimizer step, a gather, the end of fit).
+``p.data`` and ``p.detach()`` (what ``state_dict()`` holds) give this rank's rows of the values, answering as the full
+tensor would: see [Note: a parameter's values between its uses]. The runtime itself reads the placeholder
+(``plain_data``) or values only where it has restored the class (the optimizer step, a gather, the end of fit).
+
+[Note: a parameter's values between its uses]
+Code written for DDP reads and writes whole parameters between steps through ``p.data`` and ``p.detach()``:
+Lightning's ``WeightAveraging`` (EMA) averages ``p.detach()`` after every step and swaps the average in with
+``p.data.copy_(...)`` for validation, ``StochasticWeightAveraging`` copies its average in with
+``p.detach().copy_(...)``, ``state_dict()`` holds ``p.detach()``. Under stage 3 these give a ``ShardedValues``: this
+rank's rows of the parameter's values, with the full shape, answering as the full tensor would, as a sharded gradient
+does ([Note: a sharded gradient answers as the full one] in sharded_grad.py): element-wise arithmetic, ``copy_`` from
+a full tensor or from another ``ShardedValues`` of the same layout, reductions (one all-reduce, which every rank must
+run), and refusing what needs the other ranks' rows by name. Its rows are the ones the optimizer steps: the fp32
+master under mixed precision (its dtype is then fp32, as DDP's parameter is), on the host or on disk when offloaded;
+what is written into them is what the next gather reads (``UserView``: an offload pushes the written masters to
+where the gathers read them). ``p.data = v`` with such a ``v`` (``p.data = copy.data``) takes ``v``'s rows, which the
+master then aliases where it can, as DDP's parameter aliases ``v`` (``ParamShard.take_rows``). A copy of the module
+made before it was sharded (the callbacks' averages) is sharded the same way (``UserView.shard_copy``): 4Ψ/N bytes
+per rank for an fp32 average, not 4Ψ. The parameter itself still refuses value reads (``p.sum()``): only its values,
+explicitly taken, are answered from rows. Not answered: copying them into a plain tensor (EMA's swap for a validation
+loop that gathers the whole model because ranks run different numbers of batches is refused by that name).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import weakref
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_zero.sharding.sharded_grad import ShardedRows
 
 #: What may be asked of a sharded parameter: metadata, its gradient, hooks, its ``.data`` (swapped by the runtime),
 #: identity (hashing, ``is``-equality), a detached copy (itself guarded).
@@ -47,14 +69,65 @@ class ShardedParameterError(RuntimeError):
     """A stage-3 parameter's values were read (or written) outside a gathered scope."""
 
 
+class ValuesOwner(Protocol):
+    """Who answers for a sharded parameter's values (``user_view.UserView``)."""
+
+    def values(self, param: nn.Parameter) -> ShardedValues | None:
+        """``param``'s values as this rank's rows, or ``None`` if it answers for them no more."""
+
+    def take_rows(self, param: nn.Parameter, values: ShardedRows) -> None:
+        """``param.data = values``: the parameter's rows become ``values``' rows."""
+
+
+#: Who answers for each parameter's values between its uses (see [Note: a parameter's values between its uses]),
+#: held weakly both ways: neither the parameter nor its runtime is kept alive by it.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def answer_values(param: nn.Parameter, owner: ValuesOwner) -> None:
+    _OWNERS[param] = weakref.ref(owner)
+
+
+def _owner(param: Tensor) -> ValuesOwner | None:
+    ref = _OWNERS.get(param)
+    return ref() if ref is not None else None
+
+
+def plain_data(param: nn.Parameter) -> Tensor:
+    """``param.detach()`` as the runtime sees it: the placeholder of a sharded parameter, not its values."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return param.detach()
+
+
+class ShardedValues(ShardedRows):
+    """This rank's rows of a stage-3 parameter's values between its uses (see [Note: a parameter's values between its
+    uses])."""
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"ShardedValues(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+                f"{self._where()}: this rank's rows of the zero3 parameter {self._name})")
+
+    def refusal(self, what: str) -> Exception:
+        return ShardedParameterError(
+            f"{what} on the values of zero3 parameter {self._name!r} outside a gathered scope: between its unit's "
+            "uses each rank holds only its rows, and this operation would need the other ranks' rows as values. "
+            "Element-wise arithmetic, copies and reductions work on them as on the full tensor; for anything else "
+            "use `with trainer.strategy.gathered_parameters():` (every rank must enter it; edits made inside are "
+            "kept), or strategy='zero2' or 'zero1', which keep full parameters on every rank"
+        )
+
+
 class _Sharded:
     """Mixed into a parameter's class between its uses (see [Note: a sharded parameter keeps its shape])."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = getattr(func, "__name__", "")
+        name = accessor = getattr(func, "__name__", "")
         if name in ("__get__", "__set__", "__delete__"):  # a property's accessor: judged by the property's name
             name = getattr(getattr(func, "__self__", None), "__name__", name)
+        answered = _answer_values(name, accessor, args)
+        if answered is not _UNANSWERED:
+            return answered
         if name in _METADATA:
             return super().__torch_function__(func, types, args, kwargs or {})
         if func is torch.equal and all(isinstance(a, nn.Parameter) for a in args):
@@ -69,6 +142,25 @@ class _Sharded:
     def __repr__(self) -> str:
         return (f"zero3 sharded {type(self).__mro__[2].__name__} of shape {tuple(self.shape)} and dtype "
                 f"{self.dtype} (values only inside trainer.strategy.gathered_parameters())")
+
+
+_UNANSWERED = object()
+
+
+def _answer_values(name: str, accessor: str, args: tuple) -> Any:
+    """``p.detach()``, ``p.data``, ``p.data = values`` of a sharded parameter whose owner answers for its values."""
+    if name not in ("detach", "data") or not args or accessor == "__delete__":
+        return _UNANSWERED
+    owner = _owner(args[0])
+    if owner is None:
+        return _UNANSWERED
+    if accessor == "__set__":
+        if not isinstance(args[1], ShardedRows):
+            return _UNANSWERED  # a full tensor: taken back when the runtime next reads the shards (adopt_edits)
+        owner.take_rows(args[0], args[1])
+        return None
+    values = owner.values(args[0])
+    return _UNANSWERED if values is None else values
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,16 +10,20 @@ disk when offloaded), and the averaged gradient exists only as each rank's rows.
 * **Parameters** are the user's. Under stages 1-2 every rank holds the full parameter between steps; under stage 3 a
   parameter holds its values only inside its unit's forward and backward and inside
   ``trainer.strategy.gathered_parameters()`` (elsewhere reading or writing its values raises, naming that way out:
-  sharded_param.py). Whatever user code writes into a parameter that holds values is taken back into the shards
-  before the runtime next reads them: before every optimizer step, before a checkpoint is saved, at the end of fit
-  (the module gets the masters then), when ``gathered_parameters()`` ends, after ``load_state_dict``. Three kinds of
-  write are detected (``ParamShard.adopt_edits``): a rebinding of ``.data`` (its pointer; ``ModelPruning``'s
-  lottery-ticket reset: the parameter then aliases the new tensor, as under DDP, and takes its dtype), an in-place
-  edit autograd's version counter sees, and a write through ``.data``, which moves no version counter and is found
-  by comparing the values with what the runtime last wrote, element by element and without a host synchronisation
-  (``EMAWeightAveraging``'s copy of the average at ``on_train_end``). Under mixed precision a masters' element takes
-  the new 16-bit value where the user changed it and keeps its fp32 value elsewhere. A rebinding is also taken back
-  when the next training step begins, so that the forward runs on the shards' dtype and values.
+  sharded_param.py), and between its uses ``p.data`` and ``p.detach()`` give this rank's rows of them, answering as the
+  full tensor would ([Note: a parameter's values between its uses] in sharded_param.py: what Lightning's EMA and SWA
+  callbacks and ``state_dict()`` use); what is written into those rows is written into the masters. Whatever user code
+  writes into a parameter that holds values is taken back into the shards before the runtime next reads them: before
+  every optimizer step, before a checkpoint is saved, at the end of fit (the module gets the masters then), when
+  ``gathered_parameters()`` ends, after ``load_state_dict``. Three kinds of write are detected
+  (``ParamShard.adopt_edits``): a rebinding of ``.data`` (its pointer; ``ModelPruning``'s lottery-ticket reset: the
+  parameter then aliases the new tensor, as under DDP, and takes its dtype, or under stage 3 the master aliases its rows
+  and the parameter keeps its dtype), an in-place edit autograd's version counter sees, and a write through ``.data``,
+  which moves no version counter and is found by comparing the values with what the runtime last wrote, element by
+  element and without a host synchronisation (``EMAWeightAveraging``'s copy of the average at ``on_train_end``). Under
+  mixed precision a masters' element takes the new 16-bit value where the user changed it and keeps its fp32 value
+  elsewhere. A rebinding is also taken back when the next training step begins, so that the forward runs on the shards'
+  dtype and values.
 * **Gradients** are handed to user code once they are complete: every reduction of a backward is finished before
   ``on_after_backward`` runs (``ZeroStrategy.backward``), and under fp16 loss scaling they are unscaled (into fp32)
   before ``on_before_optimizer_step``, as Lightning's AMP plugin unscales for DDP. ``p.grad`` is then a
@@ -36,18 +40,19 @@ disk when offloaded), and the averaged gradient exists only as each rank's rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_zero.sharding.collectives import Collectives, gather_bucket
 from lightning_zero.sharding.flat_param import ParamShard, make_buckets
 from lightning_zero.sharding.in_flight import BufferPool
 from lightning_zero.sharding import sharded_grad_ops  # noqa: F401  (registers what a ShardedGrad answers)
-from lightning_zero.sharding.sharded_grad import RowLayout, ShardedGrad
+from lightning_zero.sharding.sharded_grad import RowLayout, ShardedGrad, ShardedRows
+from lightning_zero.sharding.sharded_param import ShardedValues, answer_values
 
 
 def row_layout(shard: ParamShard) -> RowLayout:
@@ -69,6 +74,14 @@ class UserView:
         #: The gradients handed out since the last backward began, by their shard's position (the same on every rank).
         self._handed: dict[int, ShardedGrad] = {}
         self._norms: dict[float, dict[int, Tensor]] = {}
+        self._shard_of = {shard.param: shard for shard in self.shards}
+        #: Whether user code wrote a stage-3 parameter's masters through its values since ``take_written`` (an
+        #: offload then pushes them where the gathers read them).
+        self._masters_written = False
+        self._values_owner = _ValuesOwner(self, written=True)
+        self._copies_owner = _ValuesOwner(self, written=False)
+        for shard in self.shards:
+            answer_values(shard.param, self)
 
     # ------------------------------------------------------------------------------------------------ parameters
 
@@ -78,6 +91,57 @@ class UserView:
         and version-counted edits only (an offloaded step compares values where it holds the masters)."""
         for shard in self.shards:
             shard.adopt_edits(compare)
+
+    def values(self, param: nn.Parameter) -> ShardedValues | None:
+        """``param.data`` or ``param.detach()`` of a sharded stage-3 parameter: this rank's rows of its values (see
+        [Note: a parameter's values between its uses] in sharded_param.py)."""
+        shard = self._shard_of.get(param)
+        if shard is None or not shard.sharded:
+            return None
+        layout = row_layout(shard)
+        return ShardedValues(shard.local.view(layout.local_shape), layout, self._values_owner, shard.name)
+
+    def take_rows(self, param: nn.Parameter, values: ShardedRows) -> None:
+        """``param.data = values`` (a ``ShardedValues`` of the same layout): the parameter's rows become ``values``'
+        rows (``ParamShard.take_rows``)."""
+        shard = self._shard_of[param]
+        if values._layout != row_layout(shard):
+            raise values.refusal(f"assigning it to the `.data` of {shard.name!r}, which is sharded otherwise")
+        shard.take_rows(values._local)
+        self._masters_written = True
+
+    def take_written(self) -> bool:
+        """Whether stage-3 masters were written through their values since the last call."""
+        written, self._masters_written = self._masters_written, False
+        return written
+
+    @torch.no_grad()
+    def shard_copy(self, copy: nn.Module, originals: Iterable[nn.Parameter],
+                   keep_rows: Callable[[Tensor], Tensor] = Tensor.clone) -> int:
+        """A copy of the module made before it was sharded (a weight-averaging callback's average) keeps only this
+        rank's rows: each parameter of ``copy``, paired with the module's parameter at the same position (as the
+        callbacks pair them), becomes a ``ShardedValues`` of its rows, in its own dtype, kept by ``keep_rows`` (a
+        copy where it is; where an offload keeps optimizer states), and the full tensor is freed (a copy on the meta
+        device takes the module's rows). Returns the bytes the copy's parameters hold now."""
+        replaced: dict[int, nn.Parameter] = {}
+        for mine, original in zip(copy.parameters(), originals):
+            shard = self._shard_of.get(original)
+            if shard is None or not shard.sharded or isinstance(mine, ShardedRows) or id(mine) in replaced:
+                continue
+            if mine.shape != shard.spec.shape:
+                raise ValueError(f"the copy's parameter paired with {shard.name!r} has shape {tuple(mine.shape)}, "
+                                 f"the module's {tuple(shard.spec.shape)}: copies must be made of the same module")
+            layout = row_layout(shard)
+            # a copy of a module built on the meta device has no values: it starts from the module's (SWA's copies)
+            source = shard.local.to(mine.dtype) if mine.is_meta else shard.spec.local_view(mine.detach())
+            rows = keep_rows(source).view(layout.local_shape)
+            values = ShardedValues(rows, layout, self._copies_owner, shard.name)
+            replaced[id(mine)] = nn.Parameter(values, mine.requires_grad)
+        for module in copy.modules():
+            for name, param in module._parameters.items():
+                if param is not None and id(param) in replaced:
+                    module._parameters[name] = replaced[id(param)]
+        return sum(p._local.nbytes if isinstance(p, ShardedRows) else p.nbytes for p in copy.parameters())
 
     def rebound(self) -> list[ParamShard]:
         """The parameters whose ``.data`` user code replaced (``ModelPruning``'s reset): a pointer comparison each."""
@@ -159,3 +223,22 @@ class UserView:
                     shown[shard]._local.copy_(shard.spec.local_view(left).view(shown[shard]._local.shape))
                 shard.set_grad_shard(shown[shard] if left is not None else None)
             self.changed()
+
+
+class _ValuesOwner:
+    """What the ``ShardedValues`` of parameters (``written``: the module's own, whose writes go into the masters) or
+    of a copy of the module answer reductions with and tell writes to."""
+
+    def __init__(self, view: UserView, written: bool) -> None:
+        self._view = view
+        self._written = written
+
+    def all_reduce(self, tensor: Tensor, op: str) -> Tensor:
+        return self._view.all_reduce(tensor, op)
+
+    def changed(self) -> None:
+        if self._written:
+            self._view._masters_written = True
+
+    def whole_norms(self, ord: float) -> dict[int, Tensor]:
+        return {}

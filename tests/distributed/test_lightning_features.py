@@ -1,7 +1,7 @@
 """More of what Lightning users do under DDP, under zero1/2/3 (2 ranks, one fork for every case): in-place edits of
 weights after steps and ``load_state_dict`` after setup, Lightning's ``grad_norm`` (through ``strategy.grad_norm``),
-the model summary, Adagrad and LBFGS, unit names that match nothing, SWA / EMA / ModelPruning, the fp16 GradScaler,
-activation checkpointing, ``torch.compile``, and consolidating a 0-d parameter. DDP is the reference wherever the
+the model summary, Adagrad and LBFGS, unit names that match nothing, SWA, the fp16 GradScaler,
+activation checkpointing, ``torch.compile`` (zero3 included: issue 39), and consolidating a 0-d parameter. DDP is the reference wherever the
 feature runs under it; refusals are asserted by their message."""
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import grad_norm
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.monitor import ZeroMonitor, compile_counts
 from lightning_zero.checkpoint import consolidate
 from tests.distributed.semantics_models import Clamp, ConvNet
 from tests.distributed.test_lightning_semantics import _assert_same_steps, _error, _fit
@@ -81,6 +82,32 @@ class Calls(pl.Callback):
         self.calls = trainer.strategy.comm_stats.by_op["all_gather"].calls
 
 
+class CompileCounts(pl.Callback):
+    """Frames dynamo has compiled, after every training step."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.counts.append(compile_counts()[0] - self.start)
+
+    def on_fit_start(self, trainer, pl_module):
+        torch._dynamo.reset()
+        self.start = compile_counts()[0]
+
+
+def _compiled_in_place() -> ParityModel:
+    model = ParityModel()
+    model.compile(backend="aot_eager")
+    return model
+
+
+def _block_compiled() -> ParityModel:
+    model = ParityModel()
+    model.block.compile(backend="aot_eager")
+    return model
+
+
 def _fp16() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
 
@@ -125,10 +152,9 @@ def _run(rank: int, world_size: int, root: Path) -> dict:
     swa = lambda: StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)  # noqa: E731
     out["swa", "ddp"] = _fit(DDPStrategy(), ParityModel, world_size, steps=-1, callbacks=[swa()], max_epochs=3,
                              limit_train_batches=4)[2]
-    out["swa", 2] = _fit(ZeroStrategy(stage=2), ParityModel, world_size, steps=-1, callbacks=[swa()], max_epochs=3,
-                         limit_train_batches=4)[2]
-    for name, callback in (("swa", swa), ("ema", EMAWeightAveraging), ("pruning", lambda: ModelPruning("l1_unstructured"))):
-        out["refused", name] = _error(lambda: _fit(ZeroStrategy(stage=3), ParityModel, world_size, callbacks=[callback()]))
+    for stage in (2, 3):
+        out["swa", stage] = _fit(ZeroStrategy(stage=stage), ParityModel, world_size, steps=-1, callbacks=[swa()],
+                                 max_epochs=3, limit_train_batches=4)[2]
     # fp16: the GradScaler user code reaches is torch's.
     plugin = _fp16()
     trainer = _fit(ZeroStrategy(stage=2, precision_plugin=plugin), ParityModel, world_size, steps=3)[0]
@@ -145,12 +171,16 @@ def _run(rank: int, world_size: int, root: Path) -> dict:
     for policy in ((), ("Block",)):
         out["gathers", policy] = _gathers(ZeroStrategy(stage=3, units=("Linear",), activation_checkpointing_policy=policy),
                                           TinyLM, world_size)
-    # torch.compile: zero1/zero2 as DDP; zero3 refused.
+    # torch.compile of the whole model (Lightning's torch.compile(module), and module.compile()) and of one block.
     compiled = lambda: torch.compile(ParityModel(), backend="aot_eager")  # noqa: E731
     out["compile", "ddp"] = _fit(DDPStrategy(), compiled, world_size, steps=4)[2]
     for stage in (1, 2):
         out["compile", stage] = _fit(ZeroStrategy(stage=stage), compiled, world_size, steps=4)[2]
-    out["compile", 3] = _error(lambda: _fit(ZeroStrategy(stage=3), compiled, world_size, steps=4))
+    for how, model_fn in (("whole", compiled), ("in place", _compiled_in_place), ("block", _block_compiled)):
+        frames, monitor = CompileCounts(), ZeroMonitor()
+        params = _fit(ZeroStrategy(stage=3, units=("Block",)), model_fn, world_size, steps=4,
+                      callbacks=[frames, monitor])[2]
+        out["compile", 3, how] = params, frames.counts, monitor.summary.compiled
     # A 0-d parameter through a sharded checkpoint into safetensors.
     trainer, _, params = _fit(ZeroStrategy(stage=3), ParityModel, world_size, steps=2)
     trainer.save_checkpoint(root / "scalar.ckpt")
@@ -217,12 +247,12 @@ def test_lbfgs_and_unmatched_units_are_refused_clearly(per_rank) -> None:
     assert len(rank["units_some"]) == 1 and "['Blok'] match no module" in rank["units_some"][0]
 
 
-def test_callbacks_needing_whole_parameters(per_rank) -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stochastic_weight_averaging_matches_ddp(per_rank, stage: int) -> None:
+    # zero3: the average in each rank's rows (more cases in test_weight_callbacks.py, EMA and pruning in
+    # test_user_code.py)
     for rank in per_rank[0]:
-        _assert_same_steps(rank["swa", 2], rank["swa", "ddp"])  # zero2: SWA as under DDP
-        assert rank["refused", "swa"].startswith("ZeroUnsupportedError: StochasticWeightAveraging cannot run under zero3")
-        assert rank["refused", "ema"].startswith("ZeroUnsupportedError: EMAWeightAveraging cannot run under zero3")
-        assert rank["refused", "pruning"].startswith("ZeroUnsupportedError: ModelPruning cannot run under zero3")
+        _assert_same_steps(rank["swa", stage], rank["swa", "ddp"])
 
 
 def test_the_fp16_scaler_is_a_torch_grad_scaler(per_rank) -> None:
@@ -254,8 +284,16 @@ def test_torch_compile_under_zero1_and_zero2_matches_ddp(per_rank, stage: int) -
         _assert_same_steps(rank["compile", stage], rank["compile", "ddp"])
 
 
-def test_torch_compile_is_refused_under_zero3(per_rank) -> None:
-    assert per_rank[0][0]["compile", 3].startswith("ZeroUnsupportedError: torch.compile of 'ParityModel' cannot run")
+@pytest.mark.parametrize("how", ["whole", "in place", "block"])
+def test_torch_compile_under_zero3_matches_ddp_and_compiles_once(per_rank, how: str) -> None:
+    # Each of the 4 steps against DDP's compiled model; every frame compiled in the first step, none after it; the
+    # graph breaks are the unit's hooks (units=("Block",): one unit), none when the block is compiled on its own.
+    for rank in per_rank[0]:
+        params, counts, compiled = rank["compile", 3, how]
+        _assert_same_steps(params, rank["compile", "ddp"])
+        assert len(counts) == 4 and counts[0] > 0 and counts == [counts[0]] * 4
+        assert compiled.frames_first_step == counts[0] and compiled.frames_after == 0 and compiled.other_breaks == {}
+        assert (compiled.unit_breaks > 0) == (how != "block")
 
 
 def test_a_zero_dim_parameter_consolidates_to_safetensors(per_rank) -> None:

@@ -6,7 +6,8 @@ final weights.
 
 Parameters: Lightning's EMA callback writing the average through ``.data`` at ``on_train_end`` (and swapping it in for
 validation), ``ModelPruning`` with its lottery-ticket reset (``weight_orig.data = original``) and
-``make_pruning_permanent``, a checkpoint saved after ``fit``. Gradients: ``clip_grad_norm_`` in
+``make_pruning_permanent``, a checkpoint saved after ``fit``; under zero3 too (issue 39: the average kept in rows,
+pruning on gathered weights, see [Note: Lightning's weight callbacks under zero3]). Gradients: ``clip_grad_norm_`` in
 ``on_before_optimizer_step``, zeroing rows of a gradient in ``on_after_backward``, Lightning's ``grad_norm``,
 ``clip_grad_value_``, and reading a gradient in ways that cannot be answered from a shard (refused by name).
 """
@@ -27,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.sharding.sharded_grad import ShardedRows
 from tests.distributed.semantics_models import ConvNet, image_data
 from tests.distributed.test_lightning_semantics import _error
 from tests.harness import run_on_ranks
@@ -72,8 +74,17 @@ def _final(trainer: pl.Trainer, root: Path, name: str) -> dict:
     average = ema[0]._average_model.module.state_dict() if ema else {}
     return {"module": {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()},
             "saved": {k: v.float().clone() for k, v in saved.items()},
-            "average": {k: v.detach().float().cpu().clone() for k, v in average.items()},
+            "average": {k: _whole(v).detach().float().cpu().clone() for k, v in average.items()},
             "saved_average": {k: v.float().clone() for k, v in checkpoint["state_dict"].items()} if ema else {}}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as a whole: a zero3 average's rows (a ``ShardedRows``) gathered from every rank (every rank calls)."""
+    if not isinstance(tensor, ShardedRows):
+        return tensor
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, tensor._local.detach().cpu())
+    return torch.cat(parts).reshape(tensor.shape)
 
 
 # ------------------------------------------------------------------------------------------------ parameters
@@ -86,6 +97,9 @@ PARAM_CONFIGS = {
     "zero2-bf16": (lambda: ZeroStrategy(stage=2), "bf16-mixed"),
     "zero1_offload": (lambda: ZeroStrategy(stage=1, offload_optimizer="cpu"), "32-true"),
     "zero2_offload-bf16": (lambda: ZeroStrategy(stage=2, offload_optimizer="cpu"), "bf16-mixed"),
+    "zero3": (lambda: ZeroStrategy(stage=3), "32-true"),
+    "zero3-bf16": (lambda: ZeroStrategy(stage=3), "bf16-mixed"),
+    "zero3_offload": (lambda: ZeroStrategy(stage=3, offload_optimizer="cpu"), "32-true"),
 }
 
 
@@ -408,8 +422,13 @@ def test_pruning_with_lottery_ticket_reset_matches_ddp(per_rank, name: str) -> N
         zeros = {k: int((v == 0).sum()) for k, v in final["module"].items() if k.endswith("weight")}
         want_zeros = {k: int((v == 0).sum()) for k, v in want["module"].items() if k.endswith("weight")}
         assert zeros.keys() == want_zeros.keys() and sum(zeros.values()) > 0
-        for key, count in want_zeros.items():  # bf16 training can round one more element to exactly 0
-            assert count <= zeros[key] <= count + (precision != "32-true"), key
+        # bf16 training can round one more element to exactly 0; and under zero3 the masks are computed from the bf16
+        # weights gathered (zero1/2's parameters turn fp32 at the first lottery-ticket reset, as DDP's are), so the
+        # global threshold can take an element of one parameter where DDP's took an equal one of another
+        slack = int(precision != "32-true")
+        assert sum(want_zeros.values()) <= sum(zeros.values()) <= sum(want_zeros.values()) + slack
+        for key, count in want_zeros.items():
+            assert count - slack * name.startswith("zero3") <= zeros[key] <= count + slack, key
         _assert_same_weights(final["saved"], final["module"], dict(rtol=0, atol=0), "checkpoint saved after fit")
 
 

@@ -232,3 +232,28 @@ def test_memory_phases_quick_run(tmp_path: Path) -> None:
             # Each phase's peak is at least the interpreter's baseline and at most the process's lifetime peak.
             assert all(rank["baseline"] <= p["hwm"] <= rank["peak"] for p in phases.values())
             assert all(p["anon"] + p["file"] >= 0.9 * p["hwm"] for p in phases.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["compile", "average"])
+def test_zero3_features_runs_every_approach_at_a_tiny_size(tmp_path: Path, what: str) -> None:
+    """benchmarks/zero3_features.py (issue 39): every approach runs, learns the same losses as its counterpart, and
+    the table has a row for each."""
+    import zero3_features
+
+    results_path = tmp_path / f"{what}.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "zero3_features.py"), what, "--size", "tiny", "--rounds", "1", "--steps", "2",
+         "--workdir", str(tmp_path), "--results", str(results_path)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads(results_path.read_text())
+    finals = {}
+    for run in results["runs"]:
+        assert run["ok"], run.get("error")
+        finals[run["approach"]] = [d["losses"][-1] for d in sorted(run["ranks"], key=lambda d: d["rank"])]
+    for changed, plain in zero3_features.PAIRS[what]:
+        assert finals[changed] == pytest.approx(finals[plain], rel=1e-4), changed  # inductor: compile's tolerance
+    table = "\n".join(zero3_features.TABLES[what](results))
+    assert table.count("\n| ") == len({n for pair in zero3_features.PAIRS[what] for n in pair})  # a row each

@@ -2,7 +2,8 @@
 
 import torch
 
-from lightning_zero.monitor import MonitorSummary, ZeroMonitor, _count_items, format_report
+from lightning_zero.monitor import CompileStats, MonitorSummary, ZeroMonitor, _count_items, format_report
+from lightning_zero.sharding.param_hooks import UNIT_HOOK_REASON
 
 SUMMARY = MonitorSummary(
     option="zero2",
@@ -45,6 +46,23 @@ def test_summary_round_trips_through_the_file_the_launching_process_reads(tmp_pa
     assert MonitorSummary.from_json(path.read_text()) == SUMMARY
     assert ZeroMonitor(summary_file=str(path)).report() == format_report(SUMMARY)
     assert ZeroMonitor().report() == "ZeroMonitor: no training step was measured"
+
+
+def test_compile_counts_split_unit_hook_breaks_from_the_models_own():
+    hook = f"Skip calling `torch.compiler.disable()`d function\n  Explanation: ... (reason: {UNIT_HOOK_REASON})"
+    logging = "logging.Logger method not supported for non-export cases\n  Explanation: ..."
+    start = (3, 2, {logging: 1})  # a compile before this fit: its counts are not this fit's
+    first = (7, 6, {logging: 2, hook: 4})
+    stats = CompileStats.between(start, first, (7, 6, {logging: 2, hook: 4}))
+    assert stats == CompileStats(frames_first_step=4, frames_after=0, graphs=4, unit_breaks=4,
+                                 other_breaks={"logging.Logger method not supported for non-export cases": 1})
+    assert CompileStats.between(start, start, start) is None  # nothing compiled: no line in the report
+    summary = MonitorSummary(**{**SUMMARY.__dict__, "compiled": stats})
+    assert MonitorSummary.from_json(summary.to_json()) == summary
+    assert format_report(summary).splitlines()[-1] == (
+        "  torch.compile: 4 frames compiled in the first step, 0 after it; 4 graphs; graph breaks: 4 at zero3 unit "
+        "hooks, 1 others (1 logging.Logger method not supported for non-export cases)")
+    assert "torch.compile" not in format_report(SUMMARY)
 
 
 def test_items_are_tokens_of_the_first_integer_tensor_else_samples():
