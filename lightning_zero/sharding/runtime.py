@@ -217,8 +217,9 @@ class ZeroRuntime:
         after a micro-batch under ``no_sync``, does not broadcast, and evaluation outside ``fit`` never does."""
         if not fitting:
             return
-        if self._buffers_stale and self.config.comm.broadcast_buffers:
-            self.comms.world.broadcast_(floating_buffers(self.module), "the module's floating-point buffers")
+        buffers = floating_buffers(self.module) if self._buffers_stale and self.config.comm.broadcast_buffers else []
+        if buffers:  # a module without any does without the call, as DDP does
+            self.comms.world.broadcast_(buffers, "the module's floating-point buffers")
         self._buffers_stale = training and not self._accumulating
 
     def adopt_rebindings(self) -> None:

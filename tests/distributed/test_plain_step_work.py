@@ -1,0 +1,127 @@
+"""Plain zero1, zero2 and zero3 pay nothing for the options they do not use (issue 41): a step (2 ranks, gloo, the
+default options) calls no hybrid-sharding, ZeRO++ (quantized gathers and reductions, hpZ, node-by-node collectives)
+or weight-check code, reads no tensor on the host outside zero3's control channel (which checks that ranks run the
+same units, ``verify_unit_order``), and issues the same collectives every step: one reduce-scatter and one all-gather
+per bucket (zero3: per unit) and nothing else. Calls are counted by wrapping the functions in each rank; one fork runs
+the three stages."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+from functools import lru_cache
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.sharding import by_node, collectives, in_flight
+from tests.harness import run_on_ranks
+from tests.models import ParityModel, make_trainer
+
+#: What only hybrid sharding, ZeRO++ and the node-by-node collectives call.
+OPTION_CODE = {
+    "Collectives.two_stage", "Collectives._reduce_scatter_quantized", "Collectives._reduce_across_nodes",
+    "Collectives._all_gather_quantized", "by_node.gather_rows", "by_node.reduce_scatter", "collectives.quantize",
+    "collectives.TwoStageReduce", "in_flight.dequantize", "WeightCheck.record",
+}
+#: Collectives a plain step has no use for (no clipping, no norm, an element-wise optimizer, no barrier).
+UNUSED_COLLECTIVES = {"Collectives.all_reduce_", "Collectives.record_all_reduce", "Collectives.all_to_all",
+                      "Collectives.all_gather_object", "Collectives.barrier", "Collectives.broadcast_"}
+#: The host reads allowed in a step: zero3's control channel (CPU tensors by construction).
+CONTROL_CHANNEL = "lightning_zero.sharding.in_flight"
+STEPS = 5
+
+
+def _count(counts: collections.Counter, owner, name: str, label: str) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        counts[label] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+
+
+def _count_host_reads(counts: collections.Counter) -> None:
+    """``item``/``tolist``/``bool`` of a tensor called from lightning_zero's code, by module."""
+    for name in ("item", "tolist", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            module = sys._getframe(1).f_globals.get("__name__", "")
+            if module.startswith("lightning_zero"):
+                counts[f"host read in {module}"] += 1
+            return _original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+
+
+def _run(rank: int, world_size: int) -> dict:
+    counts: collections.Counter = collections.Counter()
+    for name, value in list(vars(collectives.Collectives).items()):
+        if callable(value) and not name.startswith("__"):
+            _count(counts, collectives.Collectives, name, f"Collectives.{name}")
+    for owner, names in ((by_node, ("gather_rows", "reduce_scatter")), (collectives, ("quantize", "TwoStageReduce")),
+                         (in_flight, ("dequantize",)), (in_flight.WeightCheck, ("record",))):
+        for name in names:
+            _count(counts, owner, name, f"{getattr(owner, '__name__', '').rpartition('.')[2]}.{name}")
+    _count_host_reads(counts)
+
+    class PerStep(pl.Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+
+        def on_train_batch_start(self, *args) -> None:
+            counts.clear()
+
+        def on_train_batch_end(self, *args) -> None:
+            self.steps.append(dict(counts))
+
+    out = {}
+    for stage in (1, 2, 3):
+        pl.seed_everything(7, verbose=False)
+        per_step = PerStep()
+        trainer = make_trainer(ZeroStrategy(stage=stage), world_size, max_steps=STEPS, callbacks=[per_step])
+        trainer.fit(ParityModel())
+        runtime = trainer.strategy.runtime
+        units = len(runtime.parameters.all_units) if stage == 3 else None
+        out[stage] = per_step.steps, units
+    return out
+
+
+@lru_cache(maxsize=None)
+def results() -> list[dict]:
+    return run_on_ranks(_run, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_plain_step_runs_no_code_of_the_options_it_does_not_use(stage: int) -> None:
+    for rank in results():
+        steps, _ = rank[stage]
+        assert len(steps) == STEPS
+        for step in steps[1:]:  # after the first step (lazy set-up)
+            assert not OPTION_CODE & step.keys(), sorted(OPTION_CODE & step.keys())
+            assert not UNUSED_COLLECTIVES & step.keys(), sorted(UNUSED_COLLECTIVES & step.keys())
+            reads = {k: v for k, v in step.items() if k.startswith("host read")}
+            if stage < 3:
+                assert reads == {}
+            else:  # one list per rank for each exchange on the control channel
+                assert reads == {f"host read in {CONTROL_CHANNEL}": 2 * step["Collectives.exchange_async"]}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_plain_step_issues_the_same_collectives_every_step(stage: int) -> None:
+    for rank in results():
+        steps, units = rank[stage]
+        # from the third step on (zero3 checks the first two steps' unit order in lockstep, see [Note: ranks that run
+        # different units])
+        assert all(step == steps[2] for step in steps[3:])
+        # ParityModel: one bucket at the default bucket_mb; zero3: one unit (the root: gathered once a step)
+        assert steps[2]["Collectives.reduce_scatter"] == 1
+        assert steps[2]["Collectives.all_gather"] == 1
+        if stage == 3:
+            assert units == 1
