@@ -6,12 +6,12 @@ for the same number of steps, each run in fresh processes (one per rank, gloo, o
 approaches alternating round by round so that machine drift hits all alike (zbench/plan.py). Per approach it reports
 the median step time after warm-up (min/max), throughput, per-rank model-state bytes counted from held tensors, peak
 RSS per rank, bytes communicated per step (counted by wrapping torch.distributed, the same for all) and the loss after
-the last step, which must agree across approaches. It writes BENCHMARKS.md (tables), a PNG plot and a JSON file with
+the last step, which must agree across approaches. It writes docs/benchmarks/comparison.md (tables), a PNG plot and a JSON file with
 every raw figure.
 
     DS_ACCELERATOR=cpu .venv-peers/bin/python benchmarks/compare.py   # full run (~22-27 min on 2 cores)
     python benchmarks/compare.py --quick              # < 1 min, tiny model; report in bench_work/compare/quick/
-    python benchmarks/compare.py --report-only benchmarks/results/full.json   # re-render BENCHMARKS.md and plot
+    python benchmarks/compare.py --report-only benchmarks/results/full.json   # re-render the report and plot
     python benchmarks/compare.py --only M-2 --approaches ddp,lz_zero2 --rounds 1   # a subset
     python benchmarks/compare.py --gpu                # one GPU: 1.3B GPT, bf16-mixed, every approach (zbench/gpu.py)
     python benchmarks/compare.py --gpu --gpu-size tiny --gpu-approaches single,zero3   # the same on CPU, tiny
@@ -34,6 +34,8 @@ from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+#: Where a full run's report goes: the docs site's comparison page (BENCHMARKS.md keeps the headline ratios).
+REPORT = os.path.join(ROOT, "docs", "benchmarks", "comparison.md")
 sys.path.insert(0, HERE)
 
 from zbench.approaches import APPROACHES, missing_packages  # noqa: E402
@@ -108,8 +110,8 @@ def run_one(config, name: str, rnd: int, args, outdir: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, one round, a few approaches (< 2 min)")
-    ap.add_argument("--out", default=None, help="markdown report to write (default: BENCHMARKS.md at the repository "
-                                                "root; with --quick, BENCHMARKS.md in the work directory)")
+    ap.add_argument("--out", default=None, help="markdown report to write (default: docs/benchmarks/comparison.md; "
+                                                "with --quick, BENCHMARKS.md in the work directory)")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to the JSON results)")
     ap.add_argument("--results", default=None, help="JSON results path (default: benchmarks/results/full.json, "
                                                     "or <workdir>/quick.json with --quick)")
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     if args.report_only:
         with open(args.report_only) as f:
             results = json.load(f)
-        args.out = args.out or os.path.join(ROOT, "BENCHMARKS.md")
+        args.out = args.out or REPORT
         report.write(results, args.out, args.plot or os.path.splitext(args.report_only)[0] + ".png")
         return 0
 
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
     outdir = os.path.join(args.workdir, "quick" if args.quick else "full")
     os.makedirs(outdir, exist_ok=True)
     if args.out is None:
-        args.out = os.path.join(outdir, "BENCHMARKS.md") if args.quick else os.path.join(ROOT, "BENCHMARKS.md")
+        args.out = os.path.join(outdir, "BENCHMARKS.md") if args.quick else REPORT
     results_path = args.results or (os.path.join(outdir, "quick.json") if args.quick
                                     else os.path.join(HERE, "results", "full.json"))
     plot_path = args.plot or os.path.splitext(results_path)[0] + ".png"

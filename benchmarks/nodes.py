@@ -198,6 +198,12 @@ def render(results: dict) -> str:
     lines += [f"| {f['name']} at {f['rate']:g} Mbit/s | failed: `{f['error'][-300:]}` |" + " |" * (len(rates) + 1)
               for f in results.get("failed", [])]
     lines += ["", *goals(at, rates)]
+    if results.get("rounds", 1) > 1:
+        lines += ["", "Each round's step, in seconds (rounds of one configuration that disagree point at the machine's "
+                  "load at the time):", ""]
+        lines += [f"- {rate:g} Mbit/s: " + "; ".join(
+            f"{c.label} {' / '.join(f'{t:.2f}' for t in at[(c.name, rate)]['step_s_rounds'])}"
+            for c in CONFIGS if (c.name, rate) in at) for rate in rates]
     return "\n".join(lines)
 
 
