@@ -95,7 +95,7 @@ form ``G`` groups ("nodes") of ``K`` consecutive ranks, rank ``g * K + k``.
 
 ``TwoStageReduce.parts`` cuts each segment into consecutive parts (a bucket's parameters) whose blocks restart at
 each part, so that the result is that of each part reduced on its own and one parameter's small gradients never share
-a scale with another's large ones (collectives.py, [Note: the quantized reduce-scatter]); the payload of a segment is
+a scale with another's large ones (quantized_collectives.py, [Note: the quantized reduce-scatter]); the payload of a segment is
 then its parts' payloads end to end.
 
 A stage with one member (``K = 1``, or ``G = 1``) is an exchange with oneself that saves no bytes; it is quantized all
@@ -127,7 +127,7 @@ from torch import Tensor
 #: Elements per block (see [Note: the block-quantized payload] for the choice).
 DEFAULT_BLOCK_SIZE = 4096
 #: The bits qgZ's first stage sends inside the node, whatever ``quantize_grads`` asks for across nodes
-#: (collectives.py, [Note: qgZ's two formats]).
+#: (quantized_collectives.py, [Note: qgZ's two formats]).
 INTRA_NODE_BITS = 8
 
 _QMAX = {8: 127, 4: 7}
