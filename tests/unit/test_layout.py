@@ -160,7 +160,6 @@ NOT_YET_SPLIT = {
     "lightning_zero/estimate.py",
     "lightning_zero/monitor.py",
     "lightning_zero/sharding/flat_param.py",
-    "lightning_zero/sharding/quantize.py",
     "lightning_zero/sharding/runtime.py",
     "lightning_zero/strategy.py",
     "lightning_zero/watchdog.py",
