@@ -160,7 +160,6 @@ NOT_YET_SPLIT = {
     "lightning_zero/sharding/flat_param.py",
     "lightning_zero/sharding/runtime.py",
     "lightning_zero/strategy.py",
-    "lightning_zero/watchdog.py",
 }
 
 
