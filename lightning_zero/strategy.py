@@ -50,14 +50,8 @@ from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
 from lightning_zero.sharded_callbacks import adapt_weight_callbacks
-from lightning_zero.sharding.collectives import (
-    Collectives,
-    CommStats,
-    is_initialized,
-    run_failed,
-    started_world,
-    topology_collectives,
-)
+from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
+from lightning_zero.sharding.process_groups import is_initialized, run_failed, started_world
 from lightning_zero.sharding.materialize import (
     LoadsOnMeta,
     generator_state,
@@ -200,7 +194,7 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         initialized = is_initialized()
         super().setup_environment()
         if not initialized and is_initialized():  # Lightning's setup made it: destroyed at exit, as DDP's on NCCL
-            started_world()  # see [Note: tearing down at exit] in sharding/collectives.py
+            started_world()  # see [Note: tearing down at exit] in sharding/process_groups.py
         settle_mkl_dispatch()  # before any optimizer step on the host (host_math.py)
 
     @override

@@ -33,19 +33,6 @@ received, teardown gets ``failure_timeout_s`` to finish before the same exit.
 Not covered: a rank whose training thread hangs while its heartbeat thread lives (a deadlock outside collectives, an
 endless loop) looks alive; the process-group timeout still ends its peers' collectives.
 
-[Note: a deadline on every store call]
-A store client's own timeout does not bound every call: across a network partition (tests/cluster.py) a rank's
-heartbeat thread sat in ``TCPStore.add`` 45 s past its 30 s timeout (the request is sent into the socket's buffer,
-and the reply is then awaited with no deadline until TCP itself gives up, minutes later), so the cut-off node's ranks
-never ended. So every store call the watchdog makes goes through ``_Calls``: a daemon thread with a connection of its
-own runs the calls one at a time, and the caller waits at most the call's deadline, then raises
-``StoreUnreachable`` (a ``DistError``, as the store's own failures), leaving the stuck call behind on that thread;
-calls queued behind a stuck one meet their own deadlines the same way. The heartbeat thread gives each call
-``failure_timeout_s``: a store silent that long is lost, as a silent peer is, and the process ends one heartbeat and
-the grace period later (a partition ends both sides within ``failure_timeout_s + heartbeat_s + grace_s``). The
-training thread, already failing, gives its calls ``4 * heartbeat_s`` (at least 5 s), ``stop`` ``heartbeat_s`` (at
-least 1 s).
-
 [Note: probing the peers]
 A peer that died is found by its counter standing still, which takes more than one heartbeat period to see (2 s by
 default) -- too slow when a whole node was killed and its peers should end as fast as DDP's do (in about a second).
@@ -64,7 +51,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-import queue
 import sys
 import threading
 import time
@@ -73,6 +59,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from lightning_zero.store_calls import StoreCalls, StoreUnreachable, store_client
 
 #: Exit status of a process the watchdog ends because a peer failed: EX_UNAVAILABLE (a required service is gone).
 EXIT_CODE = 69
@@ -83,11 +71,14 @@ _GENERATIONS = itertools.count()
 #: How long a rank whose collective failed waits for its peers to answer a probe (see [Note: probing the peers]).
 PROBE_S = 0.5
 #: How long the listener waits for a probe in one call (it waits again after): effectively until a probe or ``stop``.
+# StoreUnreachable and _Calls (StoreCalls) are kept importable from here, where they were before store_calls.py was
+# split off.
+_Calls = StoreCalls
+__all__ = [
+    "EXIT_CODE", "PROBE_S", "PeerFailure", "StoreUnreachable", "Watchdog", "cancel_before_exit", "run_before_exit",
+]
+
 _LISTEN = timedelta(days=1)
-
-
-class StoreUnreachable(dist.DistError):
-    """A store call did not complete within its deadline (see [Note: a deadline on every store call])."""
 
 
 class PeerFailure(RuntimeError):
@@ -137,9 +128,9 @@ class Watchdog:
         self._failure_key = f"{prefix}failure"
         # Deadlines (see [Note: a deadline on every store call]): the heartbeat thread's calls get the failure
         # timeout (a store silent that long is lost); the training thread's, already failing, a short one.
-        self._calls = _Calls(store, f"lightning_zero-watchdog-store-{rank}")
+        self._calls = StoreCalls(store, f"lightning_zero-watchdog-store-{rank}")
         self._slow_s, self._quick_s = failure_timeout_s, max(5.0, 4 * heartbeat_s)
-        self._waker = _client(store, None)  # the listener's own connection: it blocks in ``wait``
+        self._waker = store_client(store, None)  # the listener's own connection: it blocks in ``wait``
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._acknowledged = threading.Event()  # the training thread is handling an exception
@@ -333,52 +324,6 @@ class Watchdog:
                                f"({_describe(err)})")
         return PeerFailure(None, f"the process group's store, in the torchrun agent of the first node, is unreachable "
                            f"({_describe(err)}): that node is probably gone")
-
-
-def _client(store: dist.Store, timeout_s: float | None) -> dist.Store:
-    """A connection of its own to ``store`` (``Store.clone``), with its own timeout (``None``: the store's); where
-    a store lacks ``clone`` (in-memory stores), the shared client, whose timeout is left alone."""
-    if not hasattr(store, "clone"):
-        return store
-    client = store.clone()
-    if timeout_s is not None:
-        client.set_timeout(timedelta(seconds=timeout_s))
-    return client
-
-
-class _Calls:
-    """Store calls with deadlines (see [Note: a deadline on every store call]): run one at a time by a daemon thread on
-    a connection of its own; ``calls(deadline_s, method, *args)`` returns the result or raises the store's error, or
-    ``StoreUnreachable`` once ``deadline_s`` has passed."""
-
-    def __init__(self, store: dist.Store, name: str) -> None:
-        self._store = _client(store, None)
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def __call__(self, deadline_s: float, method: str, *args: Any) -> Any:
-        done, result = threading.Event(), []
-        self._requests.put((method, args, result, done))
-        if not done.wait(deadline_s):
-            raise StoreUnreachable(f"the store did not answer {method} within {deadline_s:g} s")
-        value, error = result
-        if error is not None:
-            raise error
-        return value
-
-    def close(self) -> None:
-        """End the thread once the calls queued before have run (at once if none is stuck)."""
-        self._requests.put(None)
-
-    def _serve(self) -> None:
-        while (request := self._requests.get()) is not None:
-            method, args, result, done = request
-            try:
-                result.extend((getattr(self._store, method)(*args), None))
-            except Exception as err:  # handed to the caller, which raises it
-                result.extend((None, err))
-            done.set()
 
 
 def _ranks(ranks: list[int]) -> str:

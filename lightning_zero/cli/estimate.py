@@ -311,7 +311,7 @@ def format_peaks(peaks: list, inputs: estimate.PeakInputs) -> str:
         lines.append(f"{p.states.option:<22}{fmt(p.peak):>11}  {p.peak_phase:<16}"
                      + "".join(f"{fmt(v):>12}" for v in p.terms.values()))
     lines.append("terms: the formula of each phase adds them up, except that stage 3's steps hold the larger of "
-                 "activations + reductions and workspace (lightning_zero/estimate.py, [Note: the peak of a run])")
+                 "activations + reductions and workspace (lightning_zero/peak_model.py, [Note: the peak of a run])")
     return "\n".join(lines)
 
 

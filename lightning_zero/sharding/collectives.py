@@ -1,6 +1,8 @@
 """The only module that issues collectives (the watchdog only reads and writes the process group's store): bucket-level
 collectives, which return the handles of in_flight.py (``Gathered``, ``QuantizedGathered``, ``Reduced``,
-``QuantizedReduced``, ``Exchanged``), byte accounting, and the one way a bucket is gathered (``gather_bucket``).
+``QuantizedReduced``, ``Exchanged``; a bucket is gathered through in_flight.py's ``gather_bucket``). ZeRO++'s quantized
+collectives are in quantized_collectives.py, the byte accounting in comm_stats.py, the process groups lightning_zero
+makes and tears down at exit in process_groups.py.
 
 Every tensor handed to a collective must live on the group's device (NCCL refuses CPU tensors outright); each call
 checks that and names the caller's tensor when it does not. Buckets (``flat_param.Bucket``) are packed into their
@@ -39,16 +41,6 @@ registered, so the store the watchdog reads and every other group are left alone
 On gloo nothing is done: a collective no peer matches occupies the group's worker thread only, nothing waits on it
 since the error is raised instead, and gloo's abort would not end such a wait anyway (watchdog.py).
 
-[Note: what the byte accounting counts]
-Every call records the *logical* volume per rank of the operation the algorithm needs, as a ring implementation
-moves it: ``(N-1)/N`` of the full buffer for a reduce-scatter or an all-gather, ``2(N-1)/N`` for an all-reduce and
-the tensor's size for a broadcast. That is the hardware-independent figure the ZeRO paper's 2Ψ and 3Ψ refer to. The
-bytes the chosen algorithm actually puts on the wire are kept beside it as ``wire_bytes`` (twice the logical figure
-for the all-reduce that reduces CUDA tensors on gloo, the same figure otherwise), and ``cross_bytes``: what of it
-this rank sends to another node (see [Note: what crosses nodes] in topology.py). A quantized all-gather (qwZ) counts
-the payloads it moves, under ``"all_gather_quantized"`` (see [Note: the quantized all-gather]); hpZ's backward
-gather inside its group, under ``"all_gather_hpz"`` (``all_gather_rows``); and a quantized reduce-scatter (qgZ) the
-payloads of both its stages, under ``"reduce_scatter_quantized"`` (see [Note: the quantized reduce-scatter]).
 
 [Note: hybrid sharding's collectives]
 Under hybrid sharding (topology.py, [Note: hybrid sharding]) the runtime's ``Collectives`` is over the shard group,
@@ -64,9 +56,7 @@ elsewhere ``Reduced.wait`` issues it, and on NCCL it is queued on the stream and
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
@@ -75,83 +65,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.sharding import by_node
+from lightning_zero.sharding.comm_stats import CommStats
 from lightning_zero.sharding.flat_param import Bucket
-from lightning_zero.sharding.in_flight import (
-    BucketGather,
-    BufferPool,
-    Exchanged,
-    Gathered,
-    QuantizedGathered,
-    QuantizedReduced,
-    Reduced,
-    Relays,
-    WeightCheck,
-    payload_pieces,
+from lightning_zero.sharding.in_flight import Exchanged, Gathered, Reduced, Relays, WeightCheck
+from lightning_zero.sharding.process_groups import (
+    MAX_TAG, CollectiveDeviceError, device_backends, native_collective, new_group,
 )
-from lightning_zero.sharding.quantize import INTRA_NODE_BITS, BlockFormat, TwoStageReduce, quantize
+from lightning_zero.sharding.quantize import BlockFormat
+from lightning_zero.sharding.quantized_collectives import QuantizedCollectives
 from lightning_zero.sharding.topology import Links, Topology
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-class CollectiveDeviceError(RuntimeError):
-    """A tensor handed to a collective is not on the process group's device."""
-
-
-@dataclass
-class OpStats:
-    """Calls and bytes of one kind of collective since the last reset."""
-
-    calls: int = 0
-    bytes: int = 0
-    wire_bytes: int = 0
-    cross_bytes: int = 0
-
-
-@dataclass
-class CommStats:
-    """Byte accounting of every collective a :class:`Collectives` issued (see [Note: what the byte accounting counts])."""
-
-    by_op: dict[str, OpStats] = field(default_factory=dict)
-
-    def record(self, op: str, nbytes: float, wire_bytes: float, cross_bytes: float = 0.0) -> None:
-        stats = self.by_op.setdefault(op, OpStats())
-        stats.calls += 1
-        stats.bytes += round(nbytes)
-        stats.wire_bytes += round(wire_bytes)
-        stats.cross_bytes += round(cross_bytes)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.bytes for s in self.by_op.values())
-
-    @property
-    def cross_group_bytes(self) -> int:
-        """Bytes this rank sent to ranks of other nodes (see [Note: what crosses nodes] in topology.py)."""
-        return sum(s.cross_bytes for s in self.by_op.values())
-
-    @property
-    def total_calls(self) -> int:
-        return sum(s.calls for s in self.by_op.values())
-
-    def reset(self) -> None:
-        self.by_op.clear()
-
-
-def gather_bucket(
-    comms: Collectives, pool: BufferPool, bucket: Bucket, sources: Sequence[Tensor] | None = None,
-    into: Tensor | None = None, guard: Callable[[], None] | None = None, fmt: BlockFormat | None = None,
-) -> BucketGather:
-    """Issue ``bucket``'s all-gather (of ``sources``, default each shard's ``gather_source``; quantized in ``fmt``
-    if given) into ``into`` (a tensor that already is the bucket's rank-major buffer: a parameter gathered in place)
-    or a buffer from ``pool``; the one way stages 1-3 and the end of fit gather a bucket."""
-    buffer = into if into is not None else pool.take(bucket.full_numel, bucket.dtype)
-    gathered = comms.all_gather(bucket, sources, buffer=buffer, guard=guard, fmt=fmt)
-    return BucketGather(gathered, pool, None if into is not None else buffer)
-
-
-class Collectives:
+class Collectives(QuantizedCollectives):
     """Collectives over one process group (default: the world) on ``device``, with byte accounting in ``stats``.
 
     A world of size 1, or no initialized process group, turns every call into a local no-op that moves no bytes,
@@ -183,7 +111,7 @@ class Collectives:
         #: qwZ: the non-finite flags of the quantized gathers since the end of the last step.
         self.weight_check = WeightCheck()
         self.backend = dist.get_backend(group) if self.distributed else None
-        backends = _device_backends(group) if self.distributed else {}
+        backends = device_backends(group) if self.distributed else {}
         if device is None:
             on_cuda = backends.get("cuda") == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
@@ -266,7 +194,8 @@ class Collectives:
         logical = nbytes * (n - 1) / n
         if self.native:
             out = bucket.empty(bucket.segment_numel)
-            work = _native("reduce_scatter_single", "reduce_scatter_tensor")(out, buffer, group=self.group, async_op=True)
+            reduce_scatter = native_collective("reduce_scatter_single", "reduce_scatter_tensor")
+            work = reduce_scatter(out, buffer, group=self.group, async_op=True)
             self.stats.record("reduce_scatter", logical, logical, self.links.ring(logical))
             return Reduced(bucket=bucket, segment=out, works=[work], guard=guard, replicas=replicas,
                            held_bytes=out.numel() * out.element_size())
@@ -298,108 +227,12 @@ class Collectives:
         ``received``, all in one batch of point-to-point operations (on NCCL one group launch, as its all-to-all
         is). Tagged per call, so that exchanges in flight together never match each other's messages."""
         self._exchanges += 1
-        tag = self._exchanges % _MAX_TAG
+        tag = self._exchanges % MAX_TAG
         ops = []
         for peer, sent, received in pairs:
             ops.append(dist.P2POp(dist.isend, sent, self.global_rank(peer), self.group, tag))
             ops.append(dist.P2POp(dist.irecv, received, self.global_rank(peer), self.group, tag))
         return dist.batch_isend_irecv(ops) if ops else []  # alone (shortcut_single_rank=False): nothing to swap
-
-    def two_stage(self, parts: Sequence[int], fmt: BlockFormat) -> TwoStageReduce:
-        """The plan of a quantized reduce-scatter of segments made of ``parts`` (a bucket's padded parameter rows)
-        over this group's nodes (``node_size`` consecutive ranks; ``None``: one node): ``fmt`` across nodes, int8
-        at the same block size inside them ([Note: qgZ's two formats]). Raises where it cannot run: a group that is
-        not the world in rank order, or device tensors on a backend that sends host tensors only.
-
-        [Note: qgZ's two formats]
-        ``quantize_grads`` names the format of what crosses nodes, the links ZeRO++ saves bytes on; the first
-        stage, inside the node, sends int8 whichever it is. With int4 in both stages every gradient element takes
-        two int4 roundings (relative L2 error 0.21 each on a GPT's gradient), and the loss pays for it: on the
-        small GPT (benchmarks/zeropp.py --curves, at a learning rate where the unquantized seeds end within 0.8%
-        of one another) the mean of the last 50 of 300 steps ended +2.5% and +1.2% above the unquantized run of
-        each seed, outside the 2% and the seeds' spread; int8 inside the node took the first of them to +0.8%
-        (the curves give the figures of this code). The bytes across nodes do not change; inside the node a rank
-        sends ``S + 4 ceil(S/4096)`` bytes per segment instead of about half that, still a quarter of fp32's, on
-        links (NVLink, PCIe) an order of magnitude faster than those between nodes."""
-        n = self.world_size
-        members = self.links.members
-        node = n if self.node_size is None else self.node_size
-        if tuple(members) != tuple(range(n)) or n % node:
-            raise ValueError(
-                f"quantize_grads runs over the world's nodes of node_size={self.node_size} consecutive ranks; this "
-                f"group's ranks are {list(members)}"
-            )
-        if not self.native and self.device.type != "cpu":
-            raise CollectiveDeviceError(
-                f"quantize_grads sends its payloads point to point, which the {self.device_backend} backend does for "
-                f"host tensors only, but the gradients are on {self.device}: use nccl for them, or drop quantize_grads"
-            )
-        intra = BlockFormat(bits=INTRA_NODE_BITS, block_size=fmt.block_size)
-        return TwoStageReduce(n // node, node, sum(parts), intra=intra, inter=fmt, parts=tuple(parts))
-
-    def _reduce_scatter_quantized(
-        self, bucket: Bucket, buffer: Tensor, guard: Callable[[], None] | None, fmt: BlockFormat
-    ) -> QuantizedReduced:
-        """[Note: the quantized reduce-scatter] ZeRO++'s qgZ (``quantize_grads``): the averaged bucket buffer
-        (divided by ``N`` before anything is quantized, as the full-precision reduce-scatter divides) is reduced in
-        ``quantize.py``'s two stages (``TwoStageReduce``, [Note: segments and the two-stage reduce-scatter]) over
-        ``G`` nodes of ``K = node_size`` consecutive ranks. First this rank quantizes its buffer into ``(K, G, P)``
-        and sends row ``j`` to member ``j`` of its node (the rows of every node's rank ``j``), receiving the other
-        members' rows of its own position; ``QuantizedReduced.wait`` sums the ``K`` rows in fp32 (its own row
-        dequantized too, in order of member), quantizes the ``G`` partial sums and sends partial ``h`` to the rank
-        at this position on node ``h``, then sums the ``G`` it holds, in order of node, into its segment.
-
-        Blocks restart at each parameter's padded rows in the segment (``TwoStageReduce.parts``), as qwZ's do
-        ([Note: the quantized all-gather]): a LayerNorm's or a bias's gradients are far smaller than an embedding's,
-        and a block spanning both quantizes the small ones to a few codes or to zero. Measured on the test's GPT
-        (stage 3, 2 nodes x 2, int4, 300 steps, two seeds), blocks over the whole segment left the mean loss of the
-        last 50 steps 2.2% and 17% away from the unquantized run's (qwZ with it: 4.6% and 15%); see the README for
-        the figures per parameter. So the result equals ``reference_two_stage_reduce_scatter`` of every rank's
-        divided buffer, applied to each parameter's rows on their own, bit for bit.
-
-        The bytes a rank sends: ``(K - 1) G P8`` inside its node and ``(G - 1) P`` across (``P``: a segment's
-        payload, the sum over its parameters of ``S_p/2 + 4 ceil(S_p / 4096)`` rounded up to 4 bytes for int4, ``P8
-        = S_p + 4 ceil(S_p / 4096)`` for int8, the format inside the node: [Note: qgZ's two formats]), recorded as
-        ``"reduce_scatter_quantized"``; a flat reduce-scatter of fp32
-        sends ``(N - 1) 4 S``, of which ``(N - K) 4 S`` across nodes on gloo's exchange. So across nodes int4 sends
-        about ``1/8`` of what fp32 sends per peer node, and one peer node's worth instead of ``N - K`` ranks' worth.
-
-        Both exchanges are point to point in one batch each (``_exchange``): gloo has no all-to-all, and on NCCL a
-        batch of sends and receives is one group launch, as its ``all_to_all_single`` itself is; no process group
-        more is needed. The second exchange is issued once the first is waited on, so the wait of a quantized
-        reduce-scatter runs the dequantizing sums and the second exchange.
-
-        An inf or a NaN in a gradient makes its block's scale NaN, and every element of the block NaN on the rank
-        that reduces it (the partial sum, requantized, carries it across nodes alike): the gradient shard holds a
-        NaN, which the step's non-finite check (fp16's loss scaler, ``nonfinite_grads``) sees as it sees an inf."""
-        plan = self.two_stage(bucket.padded_numels, fmt)
-        node, member = divmod(self.rank, plan.group_size)
-        sent = plan.quantize_intra(buffer).payload
-        received = torch.empty_like(sent)
-        received[member].copy_(sent[member])
-        pairs = [(node * plan.group_size + j, sent[j], received[j]) for j in range(plan.group_size) if j != member]
-        works = self._exchange(pairs)
-        peers = [peer for peer, _, _ in pairs]
-        across = [h * plan.group_size + member for h in range(plan.groups) if h != node]
-        cross = (self.links.to_peers(sent[0].numel(), peers)
-                 + self.links.to_peers(plan.payload_bytes(plan.inter), across))
-        logical = plan.intra_bytes + plan.inter_bytes
-        self.stats.record("reduce_scatter_quantized", logical, logical, cross)
-        return QuantizedReduced(bucket=bucket, segment=bucket.segment(buffer), received=received, works=works,
-                                guard=guard, plan=plan, comms=self, held_bytes=2 * sent.numel())
-
-    def _reduce_across_nodes(self, plan: TwoStageReduce, partial: Tensor) -> Tensor:
-        """The second stage of a quantized reduce-scatter: this rank's segment summed over every node, from the
-        node's partial sums ``partial`` ``(G, S)`` of the segments at this rank's position (fp32)."""
-        node, member = divmod(self.rank, plan.group_size)
-        sent = plan.quantize_inter(partial).payload
-        received = torch.empty_like(sent)
-        received[node].copy_(sent[node])
-        works = self._exchange([(h * plan.group_size + member, sent[h], received[h])
-                                for h in range(plan.groups) if h != node])
-        for work in works:
-            work.wait()
-        return plan.reduce_inter(received)
 
     def all_gather(
         self, bucket: Bucket, shards: Sequence[Tensor] | None = None, buffer: Tensor | None = None,
@@ -420,40 +253,6 @@ class Collectives:
             return self._all_gather_quantized(bucket, buffer, guard, fmt)
         table = buffer.view(self.world_size, -1)
         return Gathered(buffer=buffer, works=self._gather_rows(table, "all_gather"), guard=guard)
-
-    def _all_gather_quantized(
-        self, bucket: Bucket, buffer: Tensor, guard: Callable[[], None] | None, fmt: BlockFormat
-    ) -> QuantizedGathered:
-        """[Note: the quantized all-gather] ZeRO++'s qwZ (stage 3's gathers in a step, ``quantize_weights``): this
-        rank's segment is quantized (``quantize.py``: int8 codes, an fp32 scale per block) parameter by parameter,
-        blocks restarting at each parameter's (padded) chunk ``S_p``, into its row of a ``(n, P)`` uint8 table, ``P =
-        sum_p layout(S_p).nbytes``; the rows are all-gathered as bytes, and every rank dequantizes every row, its own
-        included, into the bucket's buffer, so that every rank computes with bitwise the same gathered weights. A rank
-        sends ``(n - 1) * P`` bytes where an unquantized gather sends ``(n - 1) * S * b``: about ``1/4`` of fp32 and
-        ``1/2`` of bf16. ``stats`` records it as ``"all_gather_quantized"``, with the payload's bytes.
-
-        Why blocks stop at each parameter: a segment puts a LayerNorm's weights (about 1) next to a projection's
-        (about 0.02); a block spanning both takes its scale from the 1s, and the projection's values, quantized in
-        steps of 1/127, lose about a tenth of their size. Measured on the test's GPT (4 ranks, 300 steps, two seeds),
-        blocks over the whole segment left the mean loss of the last 50 steps 5.5% and 6.8% above the unquantized
-        run's; blocks per parameter cost a partial block's scale per parameter (bytes) and a few more kernels.
-
-        A block holding an inf or a NaN gets a NaN scale, and dequantizes to NaN in every element: every rank sees
-        it in the gathered table, notes it on the device (``WeightCheck``), and raises ``NonFiniteWeightsError``
-        naming the parameter at the end of the step, after its backward and before its update (all ranks alike, no
-        rank left waiting on a collective), rather than step with gradients of weights the quantizer could not
-        represent. Checked per gather, the host would wait on CUDA for every gather, where it otherwise only queues
-        the wait on the stream; at the end of the step it is one host synchronisation."""
-        segment = bucket.segment(buffer)
-        pieces = payload_pieces(bucket, fmt)
-        nbytes = sum(piece.layout.nbytes for piece in pieces)
-        payloads = torch.empty(self.world_size, nbytes, dtype=torch.uint8, device=buffer.device)
-        for piece in pieces:
-            values = segment[piece.start : piece.start + piece.layout.numel]
-            quantize(values, fmt, out=piece.of(payloads[self.rank]))
-        works = self._gather_rows(payloads, "all_gather_quantized")
-        return QuantizedGathered(buffer=buffer, works=works, guard=guard, payloads=payloads, bucket=bucket,
-                                 pieces=pieces, check=self.weight_check)
 
     def all_gather_rows(self, table: Tensor, what: str, guard: Callable[[], None] | None = None) -> Gathered:
         """All-gather the rows of ``table`` ``(n, row)`` in place, row ``r`` from group rank ``r`` (this rank's row
@@ -477,7 +276,7 @@ class Collectives:
             cross = nbytes / n * self.links.tree_gather_rows
         self.stats.record(op, nbytes * (n - 1) / n, nbytes * (n - 1) / n, cross)
         if self.native:
-            gather = _native("all_gather_single", "all_gather_into_tensor")
+            gather = native_collective("all_gather_single", "all_gather_into_tensor")
             return [gather(table.view(-1), table[self.rank], group=self.group, async_op=True)]
         return [dist.broadcast(table[r], src=self.global_rank(r), group=self.group, async_op=True) for r in range(n)]
 
@@ -486,7 +285,7 @@ class Collectives:
         used by another exchange in flight (every rank counts them alike, so they agree)."""
         first = self._exchanges + 1
         self._exchanges += count
-        return lambda i: (first + i) % _MAX_TAG
+        return lambda i: (first + i) % MAX_TAG
 
     def send(self, tensor: Tensor, peer: int, tag: int):
         """Send ``tensor`` to group rank ``peer`` (an async work): one message, not a batch (see [Note: hierarchical
@@ -633,85 +432,6 @@ def topology_collectives(
     return comms
 
 
-# ----------------------------------------------------------------------------------------------- the end of a job
-
-
-@dataclass
-class _Started:
-    """What lightning_zero started in this process's ``torch.distributed`` (see [Note: tearing down at exit])."""
-
-    groups: list = field(default_factory=list)  # made by ``new_group``
-    world: bool = False  # the default group was initialized by a strategy's setup
-    failed: bool = False  # a run failed since: work may be left that no peer will complete
-    armed: bool = False  # the exit handler is registered
-
-
-_STARTED = _Started()
-
-
-def new_group(ranks: Sequence[int], backend: str | None = None) -> dist.ProcessGroup:
-    """``dist.new_group``, recorded to be destroyed at exit (see [Note: tearing down at exit]). Every rank must call
-    it, in the same order."""
-    group = dist.new_group(list(ranks), backend=backend)
-    _STARTED.groups.append(group)
-    _arm_teardown()
-    return group
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def started_world() -> None:
-    """The default process group was initialized by a strategy's setup (not by the user's script): destroy it at
-    exit."""
-    _STARTED.world = True
-    _arm_teardown()
-
-
-def run_failed() -> None:
-    """A run failed: leave the process groups to the interpreter's exit (destroying one would wait on collectives
-    that a failed peer never completes)."""
-    _STARTED.failed = True
-
-
-def _arm_teardown() -> None:
-    if not _STARTED.armed:
-        atexit.register(_tear_down)
-        _STARTED.armed = True
-
-
-def _tear_down() -> None:
-    """[Note: tearing down at exit] A script that never calls ``destroy_process_group`` leaves the process groups to
-    the interpreter's shutdown: gloo's worker threads then release what the last collectives held (tensors, whose
-    Python objects need the GIL to free) while the interpreter is being torn down, and a daemon thread blocked in a
-    store call wakes up into it; either can end the process with SIGABRT ("terminate called without an active
-    exception"), after training succeeded, and the launcher reports a failure (torchrun's agents on the other nodes
-    then wait at their exit barrier). Measured across 2 emulated nodes: 1 zero3 run in 7, no DDP run. Lightning's DDP
-    registers ``destroy_process_group`` at exit for NCCL; this does it for every backend, for what lightning_zero
-    started: the groups it made (control channels, shard, replica and hpZ groups), and the default group when a
-    strategy's setup initialized it (the user's own is the user's to destroy), while the interpreter is whole, so that
-    gloo's threads end and free everything first. After a failed run nothing is destroyed: a collective a failed peer
-    never completes would make the destructor wait (the watchdog ends such processes anyway)."""
-    if _STARTED.failed or not is_initialized():
-        return
-    if _STARTED.world:
-        dist.destroy_process_group()
-        return
-    for group in _STARTED.groups:
-        try:
-            dist.destroy_process_group(group)
-        except ValueError:  # destroyed by the user meanwhile ("Invalid process group specified")
-            pass
-
-
-def _device_backends(group: dist.ProcessGroup | None) -> dict[str, str]:
-    """Which backend serves each device type in ``group``, as torch resolved its backend string: ``"nccl"`` is
-    ``{"cuda": "nccl"}``, ``"gloo"`` ``{"cpu": "gloo", "cuda": "gloo"}``, ``"cpu:gloo,cuda:nccl"`` as written."""
-    pairs = (pair.split(":") for pair in dist.get_backend_config(group).split(","))
-    return {device_type: backend for device_type, backend in pairs}
-
-
 def _sum_then_reduce(segment: Tensor, received: Tensor, replicas: Collectives) -> list:
     """Hybrid sharding on gloo, on ``Relays``'s thread once the shard group's exchange is in: sum the copies
     ``received`` into ``segment`` and issue its all-reduce across ``replicas`` (see [Note: hybrid sharding's
@@ -720,13 +440,3 @@ def _sum_then_reduce(segment: Tensor, received: Tensor, replicas: Collectives) -
     for row in received:
         segment.add_(row)
     return [dist.all_reduce(segment, group=replicas.group, async_op=True)]
-
-
-#: Point-to-point tags stay below this (gloo takes any 32-bit tag; ranks count exchanges alike, so tags agree).
-_MAX_TAG = 1 << 30
-
-
-def _native(name: str, before_2_13: str) -> Callable:
-    """A tensor-in, tensor-out collective of torch.distributed: torch 2.13 renamed them (the old names still work and
-    warn). Looked up per call, so that anything wrapping torch.distributed (a profiler, a counter) sees the call."""
-    return getattr(dist, name, None) or getattr(dist, before_2_13)

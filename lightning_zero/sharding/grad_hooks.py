@@ -196,7 +196,7 @@ class BucketReductions:
     (packed into a pool buffer, or, ``in_place``, reduced where a large gradient already lies), and once it completes
     the rows are stored in ``GradShards`` and the buffer goes back to the pool. At most ``MAX_IN_FLIGHT`` reductions
     holding memory are pending (``InFlight``). With ``fmt`` (qgZ, ``quantize_grads``) every reduce-scatter is the
-    quantized two-stage one (collectives.py, [Note: the quantized reduce-scatter])."""
+    quantized two-stage one (quantized_collectives.py, [Note: the quantized reduce-scatter])."""
 
     def __init__(self, comms: Collectives, pool: BufferPool, grad_shards: GradShards,
                  fmt: BlockFormat | None = None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -363,3 +363,15 @@ class BucketGather:
             self.pool.give(self.pooled)
             self.pooled = None
         return result
+
+
+def gather_bucket(
+    comms: Collectives, pool: BufferPool, bucket: Bucket, sources: Sequence[Tensor] | None = None,
+    into: Tensor | None = None, guard: Callable[[], None] | None = None, fmt: BlockFormat | None = None,
+) -> BucketGather:
+    """Issue ``bucket``'s all-gather (of ``sources``, default each shard's ``gather_source``; quantized in ``fmt``
+    if given) into ``into`` (a tensor that already is the bucket's rank-major buffer: a parameter gathered in place)
+    or a buffer from ``pool``; the one way stages 1-3 and the end of fit gather a bucket."""
+    buffer = into if into is not None else pool.take(bucket.full_numel, bucket.dtype)
+    gathered = comms.all_gather(bucket, sources, buffer=buffer, guard=guard, fmt=fmt)
+    return BucketGather(gathered, pool, None if into is not None else buffer)

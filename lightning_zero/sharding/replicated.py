@@ -53,8 +53,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_zero.config import CommConfig
-from lightning_zero.sharding.collectives import Collectives, gather_bucket
-from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT, BucketGather, BufferPool
+from lightning_zero.sharding.collectives import Collectives
+from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT, BucketGather, BufferPool, gather_bucket
 from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
 
 

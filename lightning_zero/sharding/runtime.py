@@ -47,8 +47,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.memory import MappedPages
-from lightning_zero.sharding.collectives import Collectives, gather_bucket
-from lightning_zero.sharding.in_flight import BufferPool
+from lightning_zero.sharding.collectives import Collectives
+from lightning_zero.sharding.in_flight import BufferPool, gather_bucket
 from lightning_zero.sharding.flat_param import ParamShard, make_buckets
 from lightning_zero.sharding.grad_hooks import GradReducer
 from lightning_zero.sharding.optimizer import ShardedOptimizer

@@ -50,8 +50,8 @@ from functools import partial
 
 from torch import Tensor, nn
 
-from lightning_zero.sharding.collectives import Collectives, gather_bucket
-from lightning_zero.sharding.in_flight import BucketGather, BufferPool
+from lightning_zero.sharding.collectives import Collectives
+from lightning_zero.sharding.in_flight import BucketGather, BufferPool, gather_bucket
 from lightning_zero.sharding.flat_param import ParamShard, make_buckets
 from lightning_zero.sharding.quantize import BlockFormat
 

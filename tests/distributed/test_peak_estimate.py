@@ -11,7 +11,7 @@ checkpoints and a resume.
 The stage-3 step is also checked on its own (``test_stage3_step_counts_the_reductions_in_flight``): a GPT whose units
 are large against its activations, the high-water mark reset at the start of the third step and read at its end,
 against the formula's steady step, where the backward's reductions in flight are a fifth of what the step adds to the
-baseline (see [Note: where stage 3's step peaks] in lightning_zero/estimate.py).
+baseline (see [Note: where stage 3's step peaks] in lightning_zero/peak_model.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_zero.sharding import quantize as quant
+from lightning_zero.sharding import quantize_blocks
 from lightning_zero.sharding.flat_param import Bucket, shard_parameters
 from lightning_zero.sharding.quantize import (
     BlockFormat,
@@ -189,14 +190,14 @@ def test_int4_packing_round_trips_every_pair_of_codes() -> None:
     codes = torch.arange(-8, 8, dtype=torch.int8)
     pairs = torch.cartesian_prod(codes, codes).flatten()  # all 256 (low, high) pairs
     packed = torch.empty(pairs.numel() // 2, dtype=torch.uint8)
-    quant._pack_int4(pairs, packed)
+    quantize_blocks._pack_int4(pairs, packed)
     assert sorted(packed.tolist()) == list(range(256))  # every byte value exactly once
     assert packed[0].item() == 0x88 and packed[-1].item() == 0x77  # (-8, -8) and (7, 7)
     restored = torch.empty(pairs.numel())
-    quant._unpack_int4(packed, restored)
+    quantize_blocks._unpack_int4(packed, restored)
     assert torch.equal(restored, pairs.float())
     odd = torch.empty(pairs.numel() - 1)
-    quant._unpack_int4(packed, odd)
+    quantize_blocks._unpack_int4(packed, odd)
     assert torch.equal(odd, pairs[:-1].float())
 
 
@@ -259,7 +260,7 @@ def test_quantize_is_row_by_row_and_chunking_changes_no_bit(monkeypatch: pytest.
         strided = quantize(rows.t().contiguous().t(), fmt).payload  # a non-contiguous input
         assert torch.equal(strided, whole)
         restored = dequantize(whole, fmt, 300)
-        monkeypatch.setattr(quant, "_CPU_CHUNK_ELEMENTS", 50)  # chunks of one block, and many of them
+        monkeypatch.setattr(quantize_blocks, "_CPU_CHUNK_ELEMENTS", 50)  # chunks of one block, and many of them
         assert torch.equal(quantize(rows, fmt).payload, whole)
         assert torch.equal(dequantize(whole, fmt, 300), restored)
         assert torch.equal(dequantize(whole, fmt, 300, dtype=torch.bfloat16), restored.bfloat16())
