@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from lightning_zero.config_checks import (ZeroConfigError, all_ints, check_bool, check_mib, check_names,
+                                          check_quantize_grads, is_count, is_number)
+
 SUPPORTED_STAGES = (1, 2, 3)
 #: ``precision=`` flags ZeroStrategy supports, and the 16-bit working dtype each implies (None: full fp32).
 PRECISIONS: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -31,10 +34,6 @@ OPTIMIZER_SHARDINGS = ("auto", "rows", "params")
 
 #: ``quantize_grads=`` values and the bits of the codes each sends (qgZ).
 GRAD_QUANTIZATIONS: dict[str, int] = {"int4": 4, "int8": 8}
-
-
-class ZeroConfigError(ValueError):
-    """A configuration value is invalid; the message names the option and the allowed values."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +82,13 @@ class CommConfig:
     quantize_grads: str | None = None
 
     def __post_init__(self) -> None:
-        _check_mib("bucket_mb", self.bucket_mb)
+        check_mib("bucket_mb", self.bucket_mb)
         if self.inplace_mb is not None:
-            _check_mib("inplace_mb", self.inplace_mb)
+            check_mib("inplace_mb", self.inplace_mb)
         if self.reduce_dtype is not None and self.reduce_dtype not in tuple(DTYPES):  # a tuple: a dict value is no key
             allowed = ", ".join(repr(k) for k in (None, *DTYPES))
             raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid: allowed values are {allowed}")
-        _check_bool(self, "find_unused_parameters", "broadcast_buffers", "shortcut_single_rank")
+        check_bool(self, "find_unused_parameters", "broadcast_buffers", "shortcut_single_rank")
         if self.overlap_gather is not None and not isinstance(self.overlap_gather, bool):
             raise ZeroConfigError(f"overlap_gather={self.overlap_gather!r} is invalid: it must be true, false or null "
                                   "(where its buffers are small against the parameters)")
@@ -151,13 +150,13 @@ class Stage3Config:
     quantize_weights: bool = False
 
     def __post_init__(self) -> None:
-        _check_names("units", self.units)
-        _check_mib("unit_mb", self.unit_mb)
+        check_names("units", self.units)
+        check_mib("unit_mb", self.unit_mb)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ZeroConfigError(f"prefetch={self.prefetch!r} is invalid: it must be an integer >= 1")
-        _check_bool(self, "reshard_after_forward", "verify_unit_order", "quantize_weights")
+        check_bool(self, "reshard_after_forward", "verify_unit_order", "quantize_weights")
         pool = self.buffer_pool_mb
-        if pool is not None and not (_is_number(pool) and 0 <= pool < float("inf")):
+        if pool is not None and not (is_number(pool) and 0 <= pool < float("inf")):
             raise ZeroConfigError(f"buffer_pool_mb={pool!r} is invalid: it must be a number of MiB >= 0, or null (auto)")
 
     @property
@@ -190,12 +189,12 @@ class WatchdogConfig:
 
     def __post_init__(self) -> None:
         timeout, heartbeat = self.failure_timeout_s, self.heartbeat_s
-        if timeout is not None and not (_is_number(timeout) and MIN_FAILURE_TIMEOUT_S <= timeout < float("inf")):
+        if timeout is not None and not (is_number(timeout) and MIN_FAILURE_TIMEOUT_S <= timeout < float("inf")):
             raise ZeroConfigError(
                 f"failure_timeout_s={timeout!r} is invalid: it must be a number of seconds >= "
                 f"{MIN_FAILURE_TIMEOUT_S:g}, or null (no watchdog)"
             )
-        if not (_is_number(heartbeat) and 0 < heartbeat < float("inf")):
+        if not (is_number(heartbeat) and 0 < heartbeat < float("inf")):
             raise ZeroConfigError(f"heartbeat_s={heartbeat!r} is invalid: it must be a number of seconds > 0")
         if timeout is not None and heartbeat >= timeout:
             raise ZeroConfigError(
@@ -240,7 +239,7 @@ class TopologyConfig:
     def __post_init__(self) -> None:
         for name in ("shard_group_size", "node_size", "hpz_group_size"):
             value, per_node = getattr(self, name), name != "node_size"
-            if value is None or (per_node and value == PER_NODE) or _is_count(value):
+            if value is None or (per_node and value == PER_NODE) or is_count(value):
                 continue
             named = f", {PER_NODE!r} (one group per node, as the launcher laid them out)" if per_node else ""
             raise ZeroConfigError(
@@ -298,7 +297,7 @@ class OffloadConfig:
         if self.offload_dir is not None and (not isinstance(self.offload_dir, str) or not self.offload_dir):
             raise ZeroConfigError(f"offload_dir={self.offload_dir!r} is invalid: it must be a directory path")
         if self.offload_subgroup_mb is not None:
-            _check_mib("offload_subgroup_mb", self.offload_subgroup_mb)
+            check_mib("offload_subgroup_mb", self.offload_subgroup_mb)
         resident = self.offload_resident_subgroups
         if resident is not None and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 2):
             raise ZeroConfigError(
@@ -369,7 +368,7 @@ class ZeroConfig:
                 f"stage={self.stage}"
             )
         _refuse_with_hpz(self)
-        _check_quantize_grads(self.comm.quantize_grads, self.topology.shard_group_size)
+        check_quantize_grads(self.comm.quantize_grads, self.topology.shard_group_size)
         policy = self.activation_checkpointing_policy
         entries = policy if isinstance(policy, (tuple, list, set, frozenset)) else [None]  # a str or class: no list
         if not all(isinstance(p, type) or (isinstance(p, str) and p) for p in entries):
@@ -417,7 +416,7 @@ def _refuse_with_hpz(config: ZeroConfig) -> None:
         (config.stage != 3, f"needs stage=3 (it serves stage 3's backward all-gathers), got stage={config.stage}"),
         (not config.stage3.reshard_after_forward, "with reshard_after_forward=False has nothing to do: the units "
          "stay gathered from forward to backward; drop one of them"),
-        (_numbers(group, hpz) and (hpz >= group or group % hpz), f"is invalid with shard_group_size={group}: it "
+        (all_ints(group, hpz) and (hpz >= group or group % hpz), f"is invalid with shard_group_size={group}: it "
          "must divide the shard group size and be smaller"),
         (group == PER_NODE and hpz == PER_NODE, "is invalid with shard_group_size='node': hpZ's group must be smaller "
          "than the shard group, which is the node"),
@@ -425,27 +424,6 @@ def _refuse_with_hpz(config: ZeroConfig) -> None:
     for refused, why in refusals:
         if refused:
             raise ZeroConfigError(f"hpz_group_size={hpz!r} {why}")
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _numbers(*values: object) -> bool:
-    return all(isinstance(v, int) for v in values)
-
-
-def _check_quantize_grads(quantize_grads: str | None, shard_group_size: int | None) -> None:
-    """qgZ's quantized reduce-scatter runs over the world's nodes: not under hybrid sharding, whose bytes across
-    nodes are the replica all-reduce it does not quantize."""
-    if quantize_grads is None:
-        return
-    if shard_group_size is not None:
-        raise ZeroConfigError(
-            f"quantize_grads={quantize_grads!r} with shard_group_size={shard_group_size!r} is not supported: hybrid "
-            "sharding's traffic across nodes is the full-precision all-reduce of the shard, which qgZ does not "
-            "quantize; use node_size to tell qgZ where the nodes are instead"
-        )
 
 
 _COMPONENTS: dict[str, type] = {
@@ -459,54 +437,9 @@ def option_defaults() -> dict[str, Any]:
     return ZeroConfig().options()
 
 
-def check_launch_settings(start_method: Any = None, process_group_backend: Any = None, timeout: Any = None) -> None:
-    """The launch settings ``ZeroStrategy`` passes on to Lightning and ``torch.distributed``, checked where they are
-    given: both accept bad values and fail later, inside every rank (an unknown backend, a timeout in seconds)."""
-    import multiprocessing
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    methods = ["popen", *multiprocessing.get_all_start_methods()]
-    if start_method is not None and start_method not in methods:
-        raise ZeroConfigError(f"start_method={start_method!r} is invalid: allowed values are {', '.join(methods)}")
-    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]  # fake: torch's own tests'
-    available = [b for b in known if dist.is_backend_available(b)]
-    names = None  # a composite backend ("cpu:gloo,cuda:nccl") names one backend per device type
-    if isinstance(process_group_backend, str):
-        names = [part.split(":")[-1] for part in process_group_backend.split(",")]
-    if process_group_backend is not None and not (names and all(name in available for name in names)):
-        raise ZeroConfigError(
-            f"process_group_backend={process_group_backend!r} is invalid: allowed values are {', '.join(available)}, "
-            "or none for the accelerator's default"
-        )
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise ZeroConfigError(f"timeout={timeout!r} is invalid: it must be a datetime.timedelta")
-
-
 def _own_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.name not in _COMPONENTS]
 
 
 def _own(cls: type, options: dict[str, Any]) -> dict[str, Any]:
     return {f.name: options[f.name] for f in _own_fields(cls) if f.name in options}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_mib(name: str, value: Any) -> None:
-    if not _is_number(value) or not 0 < value < float("inf"):
-        raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a number of MiB > 0")
-
-
-def _check_bool(config: Any, *names: str) -> None:
-    for name in names:
-        if not isinstance(getattr(config, name), bool):
-            raise ZeroConfigError(f"{name}={getattr(config, name)!r} is invalid: it must be true or false")
-
-
-def _check_names(name: str, value: Any) -> None:
-    if isinstance(value, str) or not isinstance(value, tuple) or not all(isinstance(u, str) and u for u in value):
-        raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a list of module class names or module paths")

@@ -32,7 +32,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
-from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, check_launch_settings, option_defaults
+from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, option_defaults
+from lightning_zero.config_checks import check_launch_settings
+from lightning_zero.evaluation_hooks import EvaluationHooks
+from lightning_zero.failure_hooks import FailureHooks
 from lightning_zero.host_math import settle_mkl_dispatch
 from lightning_zero.lightning_compat import (
     apply_activation_checkpointing,
@@ -51,7 +54,7 @@ from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
 from lightning_zero.sharded_callbacks import adapt_weight_callbacks
 from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
-from lightning_zero.sharding.process_groups import is_initialized, run_failed, started_world
+from lightning_zero.sharding.process_groups import is_initialized, started_world
 from lightning_zero.sharding.materialize import (
     LoadsOnMeta,
     generator_state,
@@ -72,7 +75,7 @@ _OFFLOAD_VARIANTS = {
 }
 
 
-class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
+class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStrategy):
     """ZeRO data parallelism: ``stage`` 1 shards optimizer states, 2 also gradients, 3 also parameters.
 
     Use ``Trainer(strategy="zero3")`` (also ``"zero1"``, ``"zero2"``, and ``_fork``/``_spawn``/``_notebook`` variants
@@ -349,52 +352,6 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         if not module.automatic_optimization or module.trainer.fit_loop._skip_backward:
             self.runtime.end_step()
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, *args, **kwargs)
-
-    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        trainer = self.lightning_module.trainer
-        self.runtime.begin_step(training=False, fitting=trainer.state.fn == TrainerFn.FITTING)
-        try:
-            return step(*args, **kwargs)
-        finally:
-            self.runtime.end_step()
-
-    @override
-    def on_validation_start(self) -> None:
-        trainer = self.lightning_module.trainer
-        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-        self.runtime.begin_evaluation(sum(counts), "validation")
-
-    @override
-    def on_test_start(self) -> None:
-        self.runtime.begin_evaluation(sum(self.lightning_module.trainer.num_test_batches), "test")
-
-    @override
-    def on_predict_start(self) -> None:
-        self.runtime.begin_evaluation(sum(self.lightning_module.trainer.num_predict_batches), "predict")
-
-    @override
-    def on_validation_end(self) -> None:
-        self.runtime.end_evaluation()
-
-    @override
-    def on_test_end(self) -> None:
-        self.runtime.end_evaluation()
-
-    @override
-    def on_predict_end(self) -> None:
-        self.runtime.end_evaluation()
-
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -448,29 +405,6 @@ class ZeroStrategy(ShardedCheckpointHooks, DDPStrategy):
         return self.runtime.step(inner, closure_with_hooks, plugin, model.automatic_optimization, defer, **kwargs)
 
     # -------------------------------------------------------------------------------------------------- teardown
-
-    def _start_watchdog(self) -> None:
-        """One watchdog per setup (fit, then evaluation, each start one): see [Note: how a rank learns that a peer
-        failed] in watchdog.py."""
-        self._stop_watchdog()
-        cfg = self.config.watchdog
-        self._watchdog = Watchdog.for_process_group(cfg.failure_timeout_s, cfg.heartbeat_s)
-        if self._watchdog is not None:
-            self._watchdog.start()
-
-    def _stop_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
-        if self._communicating:  # not a refusal at the start of setup, which every rank raises before any collective
-            run_failed()
-        if self._watchdog is not None:
-            self._watchdog.on_exception(exception)
-        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning_zero.cli.compose import prefixed
 from lightning_zero.cli.errors import UsageError, first_line
-from lightning_zero.config import ZeroConfigError, check_launch_settings
+from lightning_zero.config_checks import ZeroConfigError, check_launch_settings
 
 
 def check_before_launch(cfg: Any, strategy: Any, model: Any) -> None:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_zero.sharding.flat_param import Bucket
+from lightning_zero.sharding.buckets import Bucket
 from lightning_zero.sharding.in_flight import Reduced
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ collectives are in quantized_collectives.py, the byte accounting in comm_stats.p
 makes and tears down at exit in process_groups.py.
 
 Every tensor handed to a collective must live on the group's device (NCCL refuses CPU tensors outright); each call
-checks that and names the caller's tensor when it does not. Buckets (``flat_param.Bucket``) are packed into their
+checks that and names the caller's tensor when it does not. Buckets (``buckets.Bucket``) are packed into their
 rank-major buffers here, in one fused copy; in_flight.py's ``InFlight`` completes launched bucket collectives in
 order while bounding how many that hold memory are pending.
 
@@ -66,7 +66,7 @@ from torch import Tensor
 
 from lightning_zero.sharding import by_node
 from lightning_zero.sharding.comm_stats import CommStats
-from lightning_zero.sharding.flat_param import Bucket
+from lightning_zero.sharding.buckets import Bucket
 from lightning_zero.sharding.in_flight import Exchanged, Gathered, Reduced, Relays, WeightCheck
 from lightning_zero.sharding.process_groups import (
     MAX_TAG, CollectiveDeviceError, device_backends, native_collective, new_group,

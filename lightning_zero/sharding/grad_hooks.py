@@ -38,7 +38,8 @@ from torch import Tensor
 from lightning_zero.config import GRAD_QUANTIZATIONS, CommConfig
 from lightning_zero.sharding.collectives import Collectives
 from lightning_zero.sharding.in_flight import BufferPool, InFlight
-from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
+from lightning_zero.sharding.buckets import Bucket, make_buckets
+from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.quantize import BlockFormat
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_zero.sharding.flat_param import Bucket
+from lightning_zero.sharding.buckets import Bucket
 from lightning_zero.sharding.quantize import BlockFormat, PayloadLayout, TwoStageReduce, dequantize
 
 if TYPE_CHECKING:

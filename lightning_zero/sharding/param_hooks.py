@@ -57,7 +57,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_zero.config import CommConfig, Stage3Config
 from lightning_zero.sharding.collectives import Collectives
 from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT, BufferPool
-from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
+from lightning_zero.sharding.buckets import Bucket, make_buckets
+from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.grad_hooks import (
     BucketReductions, GradHooks, GradShards, HandOut, ShardStorage, grad_format, warn_unused,
 )

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_zero.sharding.flat_param import Bucket
+from lightning_zero.sharding.buckets import Bucket
 from lightning_zero.sharding.in_flight import QuantizedGathered, QuantizedReduced, payload_pieces
 from lightning_zero.sharding.process_groups import CollectiveDeviceError
 from lightning_zero.sharding.quantize import INTRA_NODE_BITS, BlockFormat, TwoStageReduce, quantize

@@ -55,7 +55,8 @@ from torch.overrides import TorchFunctionMode
 from lightning_zero.config import CommConfig
 from lightning_zero.sharding.collectives import Collectives
 from lightning_zero.sharding.in_flight import MAX_IN_FLIGHT, BucketGather, BufferPool, gather_bucket
-from lightning_zero.sharding.flat_param import Bucket, ParamShard, make_buckets
+from lightning_zero.sharding.buckets import Bucket, make_buckets
+from lightning_zero.sharding.flat_param import ParamShard
 
 
 #: The share of the gathered parameters' bytes the gathers after an update may hold to be left in flight by default.

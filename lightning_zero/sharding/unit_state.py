@@ -52,7 +52,8 @@ from torch import Tensor, nn
 
 from lightning_zero.sharding.collectives import Collectives
 from lightning_zero.sharding.in_flight import BucketGather, BufferPool, gather_bucket
-from lightning_zero.sharding.flat_param import ParamShard, make_buckets
+from lightning_zero.sharding.buckets import make_buckets
+from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.quantize import BlockFormat
 
 #: A bucket size with no cap: a unit moves its parameters of one dtype in one collective.

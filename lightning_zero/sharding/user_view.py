@@ -48,7 +48,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.sharding.collectives import Collectives
-from lightning_zero.sharding.flat_param import ParamShard, make_buckets
+from lightning_zero.sharding.buckets import make_buckets
+from lightning_zero.sharding.flat_param import ParamShard
 from lightning_zero.sharding.in_flight import BufferPool, gather_bucket
 from lightning_zero.sharding import sharded_grad_ops  # noqa: F401  (registers what a ShardedGrad answers)
 from lightning_zero.sharding.sharded_grad import RowLayout, ShardedGrad, ShardedRows

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
-from lightning_zero.sharding.flat_param import Bucket, shard_parameters
+from lightning_zero.sharding.buckets import Bucket
+from lightning_zero.sharding.flat_param import shard_parameters
 from lightning_zero.sharding.topology import Topology
 from tests.harness import run_on_ranks
 

@@ -21,7 +21,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_zero import ZeroConfigError, ZeroStrategy
 from lightning_zero.models import GPTConfig, LanguageModel
 from lightning_zero.sharding.collectives import Collectives, CommStats
-from lightning_zero.sharding.flat_param import Bucket, ShardSpec, shard_parameters
+from lightning_zero.sharding.buckets import Bucket
+from lightning_zero.sharding.flat_param import ShardSpec, shard_parameters
 from lightning_zero.sharding.quantize import BlockFormat, reference_two_stage_reduce_scatter
 from tests.distributed.test_grad_scaler import OverflowOnRank1
 from tests.distributed.test_quantized_gather import GPT, LR, StepBytes, _patterns, _segment

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
 
 from lightning_zero.sharding.collectives import CollectiveDeviceError, Collectives
-from lightning_zero.sharding.flat_param import Bucket, shard_parameters
+from lightning_zero.sharding.buckets import Bucket
+from lightning_zero.sharding.flat_param import shard_parameters
 
 
 def _cuda_group() -> Collectives:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_zero.sharding.flat_param import Bucket, ShardSpec, make_buckets, shard_parameters
+from lightning_zero.sharding.buckets import Bucket, make_buckets
+from lightning_zero.sharding.flat_param import ShardSpec, shard_parameters
 
 
 def _bucket(tensors, rank: int, world: int) -> Bucket:

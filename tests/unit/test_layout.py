@@ -154,19 +154,10 @@ def test_no_import_cycle() -> None:
     assert cycle is None, "import cycle at module level: " + " -> ".join(cycle or [])
 
 
-#: Modules still over the limit, until they are split (issue 40): the list only shrinks.
-NOT_YET_SPLIT = {
-    "lightning_zero/config.py",
-    "lightning_zero/sharding/flat_param.py",
-    "lightning_zero/sharding/runtime.py",
-    "lightning_zero/strategy.py",
-}
-
-
 def test_no_module_over_450_lines() -> None:
     long = {
         str(path.relative_to(PACKAGE_DIR.parent)): count
         for path in PACKAGE_DIR.rglob("*.py")
         if (count := len(path.read_text().splitlines())) > MAX_LINES
     }
-    assert set(long) == NOT_YET_SPLIT, f"modules over {MAX_LINES} lines: {long}"
+    assert long == {}, f"modules over {MAX_LINES} lines: {long}"

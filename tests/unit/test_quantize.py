@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from lightning_zero.sharding import quantize as quant
 from lightning_zero.sharding import quantize_blocks
-from lightning_zero.sharding.flat_param import Bucket, shard_parameters
+from lightning_zero.sharding.buckets import Bucket
+from lightning_zero.sharding.flat_param import shard_parameters
 from lightning_zero.sharding.quantize import (
     BlockFormat,
     TwoStageReduce,
