@@ -151,6 +151,36 @@ def merged(rows: list[dict]) -> dict[tuple[str, float], dict]:
     return out
 
 
+def plot(results: dict, path: str) -> str | None:
+    """Each configuration's step time against the link's rate (log-log), one line each: ``path`` written, or why
+    not (matplotlib, from the ``bench`` extra, missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    at = merged(results["rows"])
+    rates = results["rates"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for config in CONFIGS:
+        points = [(rate, at[(config.name, rate)]["step_s"]) for rate in rates if (config.name, rate) in at]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=config.label.replace("`", ""))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link between the two nodes (Mbit/s)")
+    ax.set_ylabel("seconds a step (median)")
+    ax.set_title("2 emulated nodes x 2 CPU ranks, small GPT")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def render(results: dict) -> str:
     """The issue's table: flat zero3's seconds a step at each rate, every other row as a ratio to it at that rate;
     the bytes across a step (both directions, the link's counters and the strategy's) and the link's use."""
@@ -255,7 +285,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.report_only:
         with open(args.results) as f:
-            print(render(json.load(f)))
+            results = json.load(f)
+        plot(results, os.path.splitext(args.results)[0] + ".png")
+        print(render(results))
         return 0
     import zeropp
     from tests.cluster import unavailable
@@ -294,7 +326,9 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
     with open(args.results, "w") as f:
         json.dump(results, f, indent=1)
-    print(render(results), flush=True)
+    png = plot(results, os.path.splitext(args.results)[0] + ".png")
+    print(render(results) + ("\n\n(plot: " + png + ")" if png else "\n\n(no plot: matplotlib is not installed)"),
+          flush=True)
     return 0
 
 
