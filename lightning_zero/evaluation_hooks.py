@@ -1,6 +1,7 @@
 """ZeroStrategy's evaluation hooks: validation, test and predict steps run on the runtime's parameters (stage 3
 gathers each unit as its forward needs it), with the step's begin and end around each, and the runtime told how many
-batches an evaluation loop runs (stage 3 keeps the whole model gathered through a short one).
+batches each rank's evaluation loop runs (under stage 3, ranks that run different numbers gather the whole model once
+for the loop instead of unit by unit: ``outside_step.EvaluationLoops``).
 
 A mixin placed before ``DDPStrategy`` in ``ZeroStrategy``'s bases; it uses the strategy's ``runtime`` and
 ``lightning_module``.

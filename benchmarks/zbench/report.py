@@ -575,8 +575,7 @@ def gpu_lines(gpu: dict | None) -> list[str]:
 def image_link(path: str, out_dir: str) -> str:
     """``path`` relative to ``out_dir``; from a page of the docs site, through ``docs/results`` (a link to
     ``benchmarks/results``: the site can show only what lies under docs/)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    results, docs = os.path.join(root, "benchmarks", "results"), os.path.join(root, "docs")
+    results, docs = os.path.join(HERE, "results"), os.path.join(os.path.dirname(HERE), "docs")
     path = os.path.abspath(path)
     if os.path.abspath(out_dir).startswith(docs + os.sep) and path.startswith(results + os.sep):
         path = os.path.join(docs, "results", os.path.relpath(path, results))
