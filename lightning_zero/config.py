@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lightning_zero.config_checks import (ZeroConfigError, all_ints, check_bool, check_mib, check_names,
-                                          check_quantize_grads, is_count, is_number)
+                                          check_optional_bool, check_quantize_grads, is_count, is_number)
 
 SUPPORTED_STAGES = (1, 2, 3)
 #: ``precision=`` flags ZeroStrategy supports, and the 16-bit working dtype each implies (None: full fp32).
@@ -61,10 +61,10 @@ class CommConfig:
         overlap_gather: stages 1 and 2: leave the all-gathers of the updated parameters in flight after the step,
             completed bucket by bucket in the next forward, where they overlap compute; their buffers are held from
             the step to the next forward (sharding/replicated.py, [Note: what the gathers in flight hold]).
-            ``None`` (default): only where they hold at most 1/16 of the parameters (``MAX_IN_FLIGHT`` buckets of
-            ``bucket_mb`` against a model of at least 800 MiB of parameters at 25 MiB), so that a rank holds within
-            6.3% of ZeRO's formula after a step; otherwise they complete before the step returns. ``True`` always
-            (faster on a host: BENCHMARKS.md), ``False`` never.
+            ``None`` (default): always where the run's memory is not lean (``lean_memory``); in a lean run only where
+            they hold at most 1/16 of the parameters (``MAX_IN_FLIGHT`` buckets of ``bucket_mb`` against a model of
+            at least 800 MiB of parameters at 25 MiB), so that a rank holds within 6.3% of ZeRO's formula after a
+            step; otherwise they complete before the step returns. ``True`` always, ``False`` never.
         quantize_grads: ZeRO++'s qgZ: ``"int4"`` or ``"int8"`` reduces each gradient bucket as block-quantized
             payloads (one fp32 scale per 4096 elements) in two all-to-alls, inside the node then across nodes,
             dequantized before each fp32 sum (quantized_collectives.py, [Note: the quantized reduce-scatter]): int4 sends about
@@ -89,9 +89,7 @@ class CommConfig:
             allowed = ", ".join(repr(k) for k in (None, *DTYPES))
             raise ZeroConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid: allowed values are {allowed}")
         check_bool(self, "find_unused_parameters", "broadcast_buffers", "shortcut_single_rank")
-        if self.overlap_gather is not None and not isinstance(self.overlap_gather, bool):
-            raise ZeroConfigError(f"overlap_gather={self.overlap_gather!r} is invalid: it must be true, false or null "
-                                  "(where its buffers are small against the parameters)")
+        check_optional_bool(self, "overlap_gather")
         if self.quantize_grads is not None and self.quantize_grads not in tuple(GRAD_QUANTIZATIONS):
             allowed = ", ".join(repr(k) for k in (None, *GRAD_QUANTIZATIONS))
             raise ZeroConfigError(f"quantize_grads={self.quantize_grads!r} is invalid: allowed values are {allowed}")
@@ -130,9 +128,9 @@ class Stage3Config:
         buffer_pool_mb: on a host (not on CUDA, whose caching allocator reuses memory already), the gather and
             reduction buffers kept across units hold at most this many MiB, and are kept from step to step too;
             ``None`` (default): twice the largest unit's buffer (the root unit, gathered once a step, not counted),
-            handed back at the end of each step, so that a rank holds 16Ψ/N between steps; 0 keeps none. Counted
-            in ``model_state_bytes()`` as ``buffers``. A number trades memory for CPU time where steps are short
-            (BENCHMARKS.md, "What a rank holds after a step").
+            handed back at the end of each step where the run's memory is lean (``lean_memory``), so that a rank
+            holds 16Ψ/N between steps, kept otherwise; 0 keeps none. Counted in ``model_state_bytes()`` as
+            ``buffers``. A number trades memory for CPU time where steps are short (BENCHMARKS.md).
         quantize_weights: ZeRO++'s qwZ: each unit's all-gather in a step sends every rank's shard as int8, one fp32
             scale per block of 4096 elements (``sharding/quantize.py``), about a quarter of fp32's bytes and half of
             bf16's; every rank dequantizes the gathered payloads into the unit's working-dtype parameters. The fp32
@@ -334,12 +332,16 @@ class ZeroConfig:
             rank each (right for any optimizer that steps a parameter from its own gradient and state: Muon,
             Adafactor, LARS, LAMB); ``"auto"`` (default) picks rows for torch's element-wise classes and params for
             every other (sharding/ownership.py).
+        lean_memory: hold what the ZeRO formulas say between steps (``True``) or keep buffers and freed memory for
+            speed (``False``); ``None`` (default): lean where the model states exceed an eighth of this rank's memory
+            budget, and under disk offload ([Note: lean or fast memory] in memory_policy.py).
     """
 
     stage: int = 2
     activation_checkpointing_policy: tuple[Any, ...] = ()
     nonfinite_grads: str = "ignore"
     optimizer_sharding: str = "auto"
+    lean_memory: bool | None = None
     comm: CommConfig = field(default_factory=CommConfig)
     stage3: Stage3Config = field(default_factory=Stage3Config)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -354,6 +356,7 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"optimizer_sharding={self.optimizer_sharding!r} is invalid: allowed values are {allowed}"
             )
+        check_optional_bool(self, "lean_memory")
         if self.nonfinite_grads not in NONFINITE_POLICIES:
             allowed = ", ".join(repr(p) for p in NONFINITE_POLICIES)
             raise ZeroConfigError(f"nonfinite_grads={self.nonfinite_grads!r} is invalid: allowed values are {allowed}")

@@ -71,6 +71,12 @@ def check_bool(config: Any, *names: str) -> None:
             raise ZeroConfigError(f"{name}={getattr(config, name)!r} is invalid: it must be true or false")
 
 
+def check_optional_bool(config: Any, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) is not None and not isinstance(getattr(config, name), bool):
+            raise ZeroConfigError(f"{name}={getattr(config, name)!r} is invalid: it must be true, false or null (auto)")
+
+
 def check_names(name: str, value: Any) -> None:
     if isinstance(value, str) or not isinstance(value, tuple) or not all(isinstance(u, str) and u for u in value):
         raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a list of module class names or module paths")

@@ -133,7 +133,8 @@ def return_large_blocks_at_once() -> bool:
     GiB against 1.58 in that run), 2.75 s with the threshold at 8 MiB (peak 1.33), 2.43 s at 24 MiB (peak 1.42), where
     only the buckets and gathered units are mapped. Disk offload, chosen to fit a model in less host memory, fixes
     the threshold at 1 MiB when it sets up, and so does ZeroStrategy's setup wherever the training device is the CPU
-    under stage 3 or an optimizer offload: the modes chosen to hold less hold what the formulas say, for that cost
+    under stage 3 or an optimizer offload and the run holds lean, its model states a large share of the host budget
+    ([Note: lean or fast memory] in memory_policy.py): such runs hold what the formulas say, for that cost
     (process-wide, for the rest of the process; zero1 and zero2 without offload keep glibc's default, as DDP runs
     with it; on a GPU the model's memory is the device's and nothing changes). Returns whether the C library has
     ``mallopt``.

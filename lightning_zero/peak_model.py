@@ -38,7 +38,9 @@ caching allocator on CUDA), so a checkpoint save and the teardown start from the
 gathers the full model back into the module (4Ψ; with parameter shards on disk into memory-mapped files, whose pages
 are not held). On a CPU device stage 3 and the offloads hand freed blocks back at once ([Note: glibc's heap and a
 memory limit]), so their teardown holds the states, the full model and the gathers that rebuild it. A resumed job
-peaks at the larger of its setup and its step.
+peaks at the larger of its setup and its step. The model is of a lean run ([Note: lean or fast memory] in
+memory_policy.py), which every run whose model states are over an eighth of its budget is: a fast run keeps freed
+blocks and buffers that this does not count, where its budget has room for them by that rule.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ from lightning_zero.memory import (
     ModelStateBytes,
     give_back_freed_memory,
     model_state_bytes,
-    return_large_blocks_at_once,
 )
+from lightning_zero.memory_policy import lean_config
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
@@ -209,8 +209,6 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         self._communicating = True  # from here on an error may leave collectives without a counterpart
         self._start_watchdog()
         self.accelerator.setup(trainer)
-        if self.root_device.type == "cpu" and (self.config.stage == 3 or self.config.offload.offload_optimizer):
-            return_large_blocks_at_once()  # see [Note: glibc's heap and a memory limit]
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             if self.root_device.type == "cpu":
@@ -220,6 +218,7 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         if self.config.stage == 3 and self.world_size > 1:
             mark_sharded_for_transformers(self.model)
         comms = self._collectives()
+        config = lean_config(self.config, self.model, comms, self.precision_plugin.precision, self.num_processes)
         materialized = None
         if self.config.stage == 3 and has_meta_tensors(self.model):
             # Every rank draws rank 0's numbers, even if the user never seeded.
@@ -235,9 +234,7 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         offload = None
         if self.config.offload.offload_optimizer:
             offload = partial(make_offload, config=self.config, comms=comms, host_ranks=self.num_processes)
-        self._runtime = ZeroRuntime(
-            self.model, self.config, comms, self.precision_plugin.working_dtype, materialized, offload
-        )
+        self._runtime = ZeroRuntime(self.model, config, comms, self.precision_plugin.working_dtype, materialized, offload)
         del materialized  # the rows the shards were cut from: the shards own them now
         if self.config.stage == 3 and not self._runtime.single_rank:
             adapt_weight_callbacks(trainer, self._runtime, self.gathered_parameters)

@@ -85,12 +85,10 @@ APPROACHES: dict[str, Approach] = {
         Approach("lz_zero3_offload_disk", "lightning_zero zero3_offload_disk", "lightning", "zero3", offload=True,
                  options=dict(stage=3, offload_optimizer="disk", offload_params="disk"),
                  note="optimizer states, masters and parameter shards in files under offload_dir"),
-        Approach("lz_zero3_pool", "lightning_zero zero3 buffer_pool_mb=64", "lightning", "zero3",
-                 options=dict(stage=3, buffer_pool_mb=64), note="the unit buffers kept from step to step"),
-        Approach("lz_zero1_overlap", "lightning_zero zero1 overlap_gather=True", "lightning", "zero1",
-                 options=dict(stage=1, overlap_gather=True), note="the gathers after the step left in flight"),
-        Approach("lz_zero2_overlap", "lightning_zero zero2 overlap_gather=True", "lightning", "zero2",
-                 options=dict(stage=2, overlap_gather=True), note="the gathers after the step left in flight"),
+        *(Approach(f"lz_zero{s}_lean", f"lightning_zero zero{s} lean_memory=True", "lightning", f"zero{s}",
+                   options=dict(stage=s, lean_memory=True), note="holding what the formulas say between steps, as "
+                   "the defaults do where the model states are over an eighth of the memory budget")
+          for s in (1, 2, 3)),
         Approach("lz_zero3_noreshard", "lightning_zero zero3 reshard_after_forward=False", "lightning",
                  "zero3-noreshard", options=dict(stage=3, reshard_after_forward=False)),
         Approach("ddp_compiled", "torch DDP, blocks compiled", "loop", "none", compiled="blocks"),

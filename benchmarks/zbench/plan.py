@@ -21,7 +21,7 @@ CORE = ["ddp", "lit_ddp", "torch_zero1", "fsdp2", "lit_fsdp2", "ds_z1", "ds_z2",
         "lz_zero3"]
 ALL = ["ddp", "lit_ddp", "torch_zero1", "fsdp2_noreshard", "fsdp2", "lit_fsdp2", "ds_z1", "ds_z2", "ds_z3",
        "ds_z1_off", "ds_z2_off", "ds_z3_off", "lz_zero1", "lz_zero2", "lz_zero1_packed", "lz_zero2_packed", "lz_zero3",
-       "lz_zero3_noreshard", "lz_zero3_pool", "lz_zero1_overlap", "lz_zero2_overlap"]
+       "lz_zero3_noreshard", "lz_zero1_lean", "lz_zero2_lean", "lz_zero3_lean"]
 #: The approaches the goal figures at M-2 compare (issue 13): run ``Config.goal_rounds`` more rounds.
 GOALS = ["ddp", "lit_ddp", "fsdp2", "lit_fsdp2", "ds_z3", "lz_zero1", "lz_zero2", "lz_zero3"]
 WORLD1 = ["single", "lit_single", "ddp", "lit_ddp", "torch_zero1", "fsdp2", "ds_z1", "ds_z2", "ds_z3",

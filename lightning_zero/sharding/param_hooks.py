@@ -100,8 +100,9 @@ class ShardedParams:
     (see [Note: the life of a unit in one training step])."""
 
     def __init__(self, root: Unit, units: Sequence[Unit], comms: Collectives, comm: CommConfig, config: Stage3Config,
-                 storage: ShardStorage | None = None, hand_out: HandOut | None = None):
+                 storage: ShardStorage | None = None, hand_out: HandOut | None = None, lean: bool = True):
         self.root = root
+        self.lean = lean
         self.units = list(units)
         self._announced = 0
         #: The unit collectives (kind, unit) of this step, of the previous one, and those this step may issue before
@@ -360,7 +361,7 @@ class ShardedParams:
         if not self._holding:
             for unit in self.all_units:
                 unit.reshard()
-        if self.config.buffer_pool_mb is None:  # see [Note: what the buffer pools keep, and where]
+        if self.config.buffer_pool_mb is None and self.lean:  # see [Note: what the buffer pools keep, and where]
             self.pool.clear()
         self.comms.weight_check.raise_if_nonfinite()
 

@@ -10,8 +10,8 @@ the step returns. Each module that owns a stepped parameter has a forward pre-ho
 every bucket up to the last one holding its own parameters: wait, unpack into the parameters (one fused copy; none
 for a parameter gathered in place), give the buffer back to the pool and launch the next buckets. So the next
 forward computes with the first layers while the last ones are still on the wire, and no more than
-``MAX_IN_FLIGHT`` bucket buffers ever exist. Once the last bucket is complete the pool hands its buffers back to the
-allocator (and so does a step that starts with nothing in flight): the forward's activations, which peak at the
+``MAX_IN_FLIGHT`` bucket buffers ever exist. In a lean run, once the last bucket is complete the pool hands its
+buffers back to the allocator (and so does a step that starts with nothing in flight): the forward's activations, which peak at the
 start of the backward, reuse that memory, and the backward's last reductions, when most activations are freed,
 allocate it again. DDP's buckets are the gradients themselves, and a training peak above DDP's by one packed
 bucket is what this avoids.
@@ -22,11 +22,12 @@ reductions' buffers the pool kept for them). Against a model of a few hundred Mi
 nothing; against a small one a bucket holds every packed parameter, a second copy of the working parameters: zero1 in
 bf16-mixed on a 3.7M-parameter GPT-2 held 1.20x its 4Ψ + 12Ψ/N after a step, and on the 10.6M GPT of BENCHMARKS.md's
 M-2 in fp32 1.4x its 8Ψ + 8Ψ/N. Smaller buckets bound that, but keep the read guard on through most of the forward:
-eight buckets of 1 MiB made that GPT-2's zero1 step 1.4x the CPU time. So by default (``overlap_gather=None``) the
-gathers stay in flight only where their buffers hold at most ``OVERLAP_SHARE`` of the parameters, under 6.3% of any
-stage's model states (every stage holds at least its full parameters); elsewhere they complete before the step
-returns, and the pool's buffers go with them. ``overlap_gather=True`` keeps the overlap whatever it holds, for the
-step time it saves (BENCHMARKS.md, "What a rank holds after a step").
+eight buckets of 1 MiB made that GPT-2's zero1 step 1.4x the CPU time. So by default (``overlap_gather=None``) a run
+whose model states are a small share of its memory budget keeps the overlap, and the pool's buffers between steps;
+a lean one ([Note: lean or fast memory] in memory_policy.py) leaves the gathers in flight only where their buffers
+hold at most ``OVERLAP_SHARE`` of the parameters, under 6.3% of any stage's model states (every stage holds at least
+its full parameters); elsewhere they complete before the step returns, and the pool's buffers go with them.
+``overlap_gather=True`` keeps the overlap whatever the budget, ``False`` never.
 
 Correctness first: a parameter must never be read while its bucket is in flight (its rows are the previous step's).
 Reads that do not go through its module's forward are caught three ways. Inside ``training_step`` a
@@ -68,8 +69,9 @@ class ReplicatedParams:
     all-gather overlaps the next forward])."""
 
     def __init__(self, module: nn.Module, shards: Sequence[ParamShard], comms: Collectives, config: CommConfig,
-                 pool: BufferPool) -> None:
+                 pool: BufferPool, lean: bool = True) -> None:
         self.comms = comms
+        self.lean = lean
         self.config = config
         self.pool = pool
         self._buckets: dict[tuple[tuple[ParamShard, torch.dtype], ...], list[Bucket]] = {}
@@ -116,6 +118,8 @@ class ReplicatedParams:
         hold])."""
         if self.config.overlap_gather is not None:
             return self.config.overlap_gather
+        if not self.lean:  # see [Note: lean or fast memory] in memory_policy.py
+            return True
         pooled = sorted((b.full_numel * b.dtype.itemsize for b in buckets
                          if b.own_buffer([s.param for s in b.shards]) is None), reverse=True)
         params = sum(s.spec.numel * s.dtype.itemsize for b in buckets for s in b.shards)
@@ -149,7 +153,7 @@ class ReplicatedParams:
                 self._launched[self._done] = None
                 self._done += 1
                 self._launch_more()
-            if self._done == len(self._order):
+            if self._done == len(self._order) and self.lean:
                 self.pool.clear()
         finally:
             self._completing = False
@@ -196,7 +200,7 @@ class ReplicatedParams:
     def begin_step(self) -> None:
         """Nothing to gather (the parameters are full, or complete on use); with nothing in flight (gradient
         accumulation, an evaluation step) the buffers the last reductions left in the pool are freed."""
-        if not self.in_flight:
+        if not self.in_flight and self.lean:
             self.pool.clear()
 
     def end_step(self) -> None:

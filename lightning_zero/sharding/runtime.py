@@ -87,6 +87,9 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         self.config = config
         self.comms = comms
         self.working_dtype = working_dtype
+        #: Hold what the formulas say between steps (``lean_memory``, which the strategy resolves from the budget:
+        #: [Note: lean or fast memory]); a runtime made without the strategy is lean unless told otherwise.
+        self.lean = config.lean_memory is not False
         #: The world-size-1 short cut: no hooks, no copies (see [Note: the world-size-1 path]); offload keeps its own.
         self.single_rank = (comms.local and comms.world_size == 1 and comms.replicas is None
                             and not config.offload.offload_optimizer)
@@ -134,7 +137,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
             self.parameters = self.gradients = sharded
         else:
             pool = BufferPool(comms.device)  # bucket buffers shared by the gradient and parameter pipelines
-            self.parameters = ReplicatedParams(module, self.shards, comms, config.comm, pool)
+            self.parameters = ReplicatedParams(module, self.shards, comms, config.comm, pool, lean=self.lean)
             self.gradients = GradReducer(self.shards, comms, config.comm, config.stage == 1, pool,
                                          self._grad_storage(), self.user_view.hand_out)
 
@@ -157,7 +160,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
 
         units = [unit(i + 1, p) for i, p in enumerate(plans)]
         return ShardedParams(unit(0, root_plan), units, self.comms, self.config.comm, self.config.stage3,
-                             self._grad_storage(), self.user_view.hand_out)
+                             self._grad_storage(), self.user_view.hand_out, lean=self.lean)
 
     def _grad_storage(self):
         """Where gradient shards live: in memory, or where the offload keeps them (disk offload on a host)."""

@@ -74,7 +74,8 @@ def _run(rank: int, world_size: int) -> dict:
             for layout, inplace_mb in LAYOUTS.items():
                 pl.seed_everything(0, verbose=False)
                 record = Record()
-                strategy = ZeroStrategy(stage, bucket_mb=BUCKET_MB, inplace_mb=inplace_mb)
+                # lean: the pool hands its buffers back once the gathers complete ([Note: lean or fast memory])
+                strategy = ZeroStrategy(stage, bucket_mb=BUCKET_MB, inplace_mb=inplace_mb, lean_memory=True)
                 trainer = make_trainer(strategy, world_size, max_steps=STEPS, callbacks=[record], precision=precision,
                                        gradient_clip_val=0.5)
                 trainer.fit(WideMLP())

@@ -72,7 +72,7 @@ def _fit_peak(option: str) -> tuple[int, int]:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     module = GPTModule()
-    strategy = ZeroStrategy(**estimate.LAYOUTS[option].strategy_options(), units=("Block",))
+    strategy = ZeroStrategy(**estimate.LAYOUTS[option].strategy_options(), units=("Block",), lean_memory=True)
     make_trainer(strategy, 2, max_steps=STEPS).fit(module)
     return baseline, _status("VmHWM")
 
@@ -141,7 +141,7 @@ def _steady_step_peak(option: str) -> tuple[int, int]:
     baseline = _status("VmRSS")
     module = WideGPTModule()
     probe = _StepPeak()
-    strategy = ZeroStrategy(**estimate.LAYOUTS[option].strategy_options(), units=("Block",))
+    strategy = ZeroStrategy(**estimate.LAYOUTS[option].strategy_options(), units=("Block",), lean_memory=True)
     make_trainer(strategy, 2, max_steps=STEPS, callbacks=[probe]).fit(module)
     return baseline, probe.peak
 

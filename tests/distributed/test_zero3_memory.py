@@ -41,7 +41,8 @@ def _held_after_steps(rank: int, world_size: int, pool_mb: float | None) -> dict
                            generator=torch.Generator().manual_seed(1))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     probe = _AfterStep()
-    strategy = ZeroStrategy(stage=3, units=["Block"], buffer_pool_mb=pool_mb)
+    # lean, as where the model states are a large share of the budget ([Note: lean or fast memory])
+    strategy = ZeroStrategy(stage=3, units=["Block"], buffer_pool_mb=pool_mb, lean_memory=True)
     trainer = make_trainer(strategy, world_size, max_steps=3, callbacks=[probe])
     baseline = live_tensor_bytes()  # the data set, before anything of the model exists
     trainer.fit(model, train_dataloaders=data)

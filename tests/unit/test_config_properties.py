@@ -88,6 +88,7 @@ OPTION_VALUES: dict[str, Pair] = {
     "prefetch": (st.integers(1, 10**6), st.integers(max_value=0) | st.sampled_from([1.5, 2.0, True, "2", None])),
     "reshard_after_forward": _flag(),
     "overlap_gather": _one_of([None, True, False], ["true", "", 1, 0, [True]]),
+    "lean_memory": _one_of([None, True, False], ["true", "", 1, 0, [True]]),
     "verify_unit_order": _flag(),
     "quantize_weights": _flag(),
     "buffer_pool_mb": (

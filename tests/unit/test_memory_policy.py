@@ -1,0 +1,78 @@
+"""Lean or fast memory ([Note: lean or fast memory] in memory_policy.py): decided from the model states' share of
+the rank's budget, the largest over the ranks, and set where asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero import memory_policy
+from lightning_zero.config import ZeroConfig
+from lightning_zero.memory_policy import LEAN_SHARE, model_state_share, resolve_lean
+
+
+class _Ranks:
+    """Collectives of two ranks, the other one's share given: ``all_reduce_`` takes the max as gloo would."""
+
+    device = torch.device("cpu")
+    world_size = 2
+
+    def __init__(self, other_share: float | None) -> None:
+        self.other_share = other_share
+        self.world = self
+
+    def all_reduce_(self, tensor, what, op="sum"):
+        if self.other_share is None:
+            raise AssertionError(f"no collective expected, got one for {what}")
+        assert op == "max"
+        tensor.clamp_(min=self.other_share)
+
+
+MODEL = nn.Linear(1000, 1000)  # 1,001,000 parameters
+PSI = 1_001_000
+
+
+@pytest.mark.parametrize(("stage", "precision", "per_element"), [
+    (1, "32-true", 8 + 8 / 2), (2, "bf16-mixed", 2 + 14 / 2), (3, "32-true", 16 / 2),
+])
+def test_the_share_is_the_formula_of_the_stage_against_the_budget(stage, precision, per_element):
+    share = model_state_share(ZeroConfig(stage=stage), MODEL, 2, precision, budget=10**9)
+    assert share == pytest.approx(per_element * PSI / 10**9)
+
+
+def test_frozen_parameters_hold_no_gradient_or_optimizer_state():
+    frozen = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 1000))
+    frozen[0].requires_grad_(False)
+    share = model_state_share(ZeroConfig(stage=3), frozen, 2, "32-true", budget=10**9)
+    assert share == pytest.approx((4 * 2 * PSI + 12 * PSI) / 2 / 10**9)
+
+
+@pytest.mark.parametrize(("multiple", "lean"), [(4, True), (7.9, True), (8.1, False), (100, False)])
+def test_lean_where_the_states_exceed_an_eighth_of_the_budget(monkeypatch, multiple, lean):
+    states = 16 * PSI / 2
+    monkeypatch.setattr(memory_policy, "memory_budget", lambda device, ranks: int(multiple * states))
+    assert resolve_lean(ZeroConfig(stage=3), MODEL, _Ranks(other_share=0.0), "32-true", 2) is lean
+
+
+def test_every_rank_decides_as_the_one_with_the_least_room(monkeypatch):
+    monkeypatch.setattr(memory_policy, "memory_budget", lambda device, ranks: 10**12)  # this rank: fast
+    assert not resolve_lean(ZeroConfig(stage=3), MODEL, _Ranks(other_share=0.0), "32-true", 2)
+    assert resolve_lean(ZeroConfig(stage=3), MODEL, _Ranks(other_share=LEAN_SHARE * 1.01), "32-true", 2)
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_given_value_decides_without_a_collective(given):
+    assert resolve_lean(ZeroConfig(stage=3, lean_memory=given), MODEL, _Ranks(None), "32-true", 2) is given
+
+
+def test_disk_offload_is_always_lean(monkeypatch):
+    monkeypatch.setattr(memory_policy, "memory_budget", lambda device, ranks: 10**15)
+    config = ZeroConfig.from_options(stage=3, offload_optimizer="disk", offload_params="disk")
+    assert resolve_lean(config, MODEL, _Ranks(None), "32-true", 2)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_lean_memory_must_be_a_boolean_or_null(value):
+    with pytest.raises(ValueError, match="lean_memory=.* is invalid: it must be true, false or null"):
+        ZeroConfig(lean_memory=value)
