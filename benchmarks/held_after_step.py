@@ -7,7 +7,9 @@ bf16-mixed; after every step every tensor alive in the process is counted (the g
 once, less the data set), with a callback that reads no parameters, so that the gathers zero1 and zero2 leave in
 flight to the next forward count too. Beside each, the same run as before issue 38: zero3's unit buffer pool kept
 between steps (up to two units' buffers), zero1/zero2's gathers left in flight whatever their buffers hold
-(``overlap_gather=True``; one 25 MiB bucket holds this whole model). Then the step times of both, on this model and
+(``overlap_gather=True``; one 25 MiB bucket holds this whole model); both with ``lean_memory=True``, which the
+defaults take where the model states are over an eighth of the rank's memory budget (memory_policy.py; on a roomy
+machine this model gets the fast side, which keeps those buffers as "before" does). Then the step times of both, on this model and
 on the 10.6M GPT of BENCHMARKS.md's M-2 (vocabulary 8192, 8 layers of width 256, whose two buckets of 25 MiB are more
 than its 42 MB of parameters), in rounds alternating the two (the median of each, steps 3 and on, the slower rank's),
 wall-clock and CPU time (the process's, all its threads). Wall-clock timings on this shared 2-core machine are noisy:
@@ -113,8 +115,9 @@ def _job(rounds: int, steps: int, timed: list[tuple[str, str]]) -> dict:
         probe = Probe(count, before)
         overlap = {"overlap_gather": True} if before and stage < 3 else {}
         baseline = live_tensor_bytes()
-        trainer = make_trainer(ZeroStrategy(stage=stage, **overlap), 2, max_steps=n_steps, callbacks=[probe],
-                               precision=precision)
+        # lean (the defaults where the model states are a large share of the budget), before issue 38 or after
+        trainer = make_trainer(ZeroStrategy(stage=stage, lean_memory=True, **overlap), 2, max_steps=n_steps,
+                               callbacks=[probe], precision=precision)
         trainer.fit(model, train_dataloaders=data)
         probe.live = [b - baseline for b in probe.live]
         return probe, model.num_parameters

@@ -2,8 +2,10 @@
 
 [Note: how a figure is made from the runs]
 - step time: per step, the slowest rank's time; pooled over the timed steps of all rounds; median (min, max).
-  A round more than ``DISTURBED`` times slower (median) than the approach's best round is left out of the pool and
-  flagged in the per-round list; on a quiet machine rounds agree within ~5% and nothing is left out.
+  A round (one pass over every approach, plan.py) where most approaches ran more than ``DISTURBED`` times slower
+  (median) than their own best round was disturbed for all of them, and is left out of every approach's pool and
+  flagged in the per-round lists; on a quiet machine rounds agree within ~5% and nothing is left out. Leaving out an
+  approach's slow rounds alone would pool each approach's luckiest rounds and skew the ratios between them.
 - CPU time: per step, the CPU time of all ranks' processes together (worker.py, [Note: CPU time]), pooled like the
   step time, median; beside it, per round, the share of the machine's CPU time the hypervisor stole during the run.
 - throughput: tokens of one global step (ranks x batch x sequence length) / median step time.
@@ -29,13 +31,35 @@ import statistics
 MB = 2**20
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: A round whose median step time exceeds the approach's best round median by this factor is "disturbed" (another
-#: process took the CPU for a while: seen as whole rounds 1.5-2x slower on a shared machine) and left out of the
-#: pooled step times; it is still listed per round.
+#: A round where most approaches' median step time exceeds their best round's by this factor is "disturbed" (another
+#: process took the CPU for a while: seen as whole rounds 1.5-2x slower on a shared machine) and left out of every
+#: approach's pooled step times; it is still listed per round.
 DISTURBED = 1.25
 
 # Relative tolerance for "losses agree": fp32 sums in another order differ in the last bits, growing over the steps.
 LOSS_RTOL = 1e-4
+
+
+def _step_times(run: dict, warm: int) -> list[float]:
+    """Per timed step of a run, the slowest rank's time."""
+    ranks = sorted(run["ranks"], key=lambda d: d["rank"])
+    return [max(d["times"][s] for d in ranks) for s in range(warm, len(ranks[0]["times"]))]
+
+
+def _disturbed_rounds(runs_by: dict[tuple[str, str], list[dict]], configs: dict) -> dict[str, set]:
+    """Per configuration, the rounds where most approaches ran ``DISTURBED`` times slower than their best round."""
+    slow: dict[str, dict] = {name: {} for name in configs}
+    for (cname, _), runs in runs_by.items():
+        medians = {run.get("round"): statistics.median(_step_times(run, configs[cname]["warmup"]))
+                   for run in runs if run["ok"]}
+        if not medians:
+            continue
+        best = min(medians.values())
+        for round_, median in medians.items():
+            counts = slow[cname].setdefault(round_, [0, 0])
+            counts[0] += median > DISTURBED * best
+            counts[1] += 1
+    return {cname: {r for r, (n_slow, n) in rounds.items() if 2 * n_slow > n} for cname, rounds in slow.items()}
 
 
 def summarize(results: dict) -> dict[str, dict[str, dict]]:
@@ -47,6 +71,7 @@ def summarize(results: dict) -> dict[str, dict[str, dict]]:
     runs_by: dict[tuple[str, str], list[dict]] = {}
     for run in results["runs"]:
         runs_by.setdefault((run["config"], run["approach"]), []).append(run)
+    disturbed_by_config = _disturbed_rounds(runs_by, configs)
     for (cname, name), runs in runs_by.items():
         c = configs[cname]
         ok = [r for r in runs if r["ok"]]
@@ -56,12 +81,8 @@ def summarize(results: dict) -> dict[str, dict[str, dict]]:
         warm, world = c["warmup"], c["world"]
         times, cpu, round_medians, comm, wire, peaks, bases, finals = [], [], [], [], [], [], [], []
         train_peaks, phase_peaks = [], {}
-        per_round = []
-        for run in ok:
-            ranks = sorted(run["ranks"], key=lambda d: d["rank"])
-            per_round.append([max(d["times"][s] for d in ranks) for s in range(warm, len(ranks[0]["times"]))])
-        best = min(statistics.median(p) for p in per_round)
-        disturbed = [i for i, p in enumerate(per_round) if statistics.median(p) > DISTURBED * best]
+        per_round = [_step_times(run, warm) for run in ok]
+        disturbed = [i for i, run in enumerate(ok) if run.get("round") in disturbed_by_config[cname]]
         for i, run in enumerate(ok):
             ranks = sorted(run["ranks"], key=lambda d: d["rank"])
             per_step = per_round[i]
@@ -431,7 +452,7 @@ def ops_lines(results, rows) -> list[str]:
             steal = "; host steal per round " + ", ".join(
                 "-" if x is None else f"{100 * x:.1f}%" for x in r["round_steal"])
         lines.append(f"- {_label(results, n)}: per step {ops or 'no collectives'}{extra}; median per round "
-                     f"{rounds} ms (* disturbed, left out){steal}; setup {r['setup_s']:.1f} s")
+                     f"{rounds} ms (* a disturbed round, left out for every approach){steal}; setup {r['setup_s']:.1f} s")
     return lines
 
 

@@ -47,17 +47,19 @@ Under hybrid sharding (topology.py, [Note: hybrid sharding]) the runtime's ``Col
 with ``replicas`` over this rank's replica group and ``world`` over every rank (``topology_collectives`` makes them,
 every rank creating every group in the same order, as torch requires). A reduce-scatter divides by the whole world
 before its sum, and the reduced segment is all-reduced across ``replicas`` before it is handed over, so every caller
-of ``reduce_scatter`` (stages 1-3) gets the world's mean with no change of its own. On gloo with host tensors that
-all-reduce is issued by ``Relays``'s thread as soon as the shard group's exchange has completed and been summed, so
-that it crosses the link while the backward goes on (issued when the result was needed, it left the link idle until
-then: hybrid sharding took 1.19x FSDP2's HSDP step at 40 Mbit/s across two emulated nodes, with the same bytes);
-elsewhere ``Reduced.wait`` issues it, and on NCCL it is queued on the stream and the host does not wait.
+of ``reduce_scatter`` (stages 1-3) gets the world's mean with no change of its own. On gloo with host tensors the
+shard group's exchange (inside the node) is waited for and summed where it is issued, and the all-reduce issued at
+once, as FSDP2's HSDP does, so that it crosses the link while the backward goes on. Issued when the result was
+needed, it left the link idle until then (1.19x FSDP2's HSDP step at 40 Mbit/s across two emulated nodes, the same
+bytes); issued by a relay thread once the exchange completed, it waited for that thread's turn on 2 busy cores
+(1.03-1.07x HSDP's at 10 Mbit/s, against 0.98-1.01x issued here, three A/B rounds of benchmarks/nodes.py). Elsewhere ``Reduced.wait``
+issues it, and on NCCL it is queued on the stream and the host does not wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -209,10 +211,11 @@ class Collectives(QuantizedCollectives):
         works = self._swap_segments(buffer.view(n, -1), received)
         self.stats.record("reduce_scatter", logical, logical, self.links.to_each(nbytes / n))
         segment, held = bucket.segment(buffer), received.numel() * received.element_size()
-        if replicas is not None:  # the replica all-reduce, issued as soon as the segment is summed
+        if replicas is not None:  # the replica all-reduce, issued once the segment is summed (see the Note)
+            Reduced(bucket=bucket, segment=segment, received=received, works=works, guard=guard).wait()
             replicas.record_all_reduce(segment)
-            relayed = self.relays.after(works, partial(_sum_then_reduce, segment, received, replicas))
-            return Reduced(bucket=bucket, segment=segment, works=[relayed], guard=guard, held_bytes=held)
+            work = dist.all_reduce(segment, group=replicas.group, async_op=True)
+            return Reduced(bucket=bucket, segment=segment, works=[work])
         return Reduced(bucket=bucket, segment=segment, received=received, works=works, guard=guard, held_bytes=held)
 
     def _swap_segments(self, table: Tensor, received: Tensor) -> list:
@@ -431,12 +434,3 @@ def topology_collectives(
         comms.hpz = Collectives(device, hpz_groups[topology.hpz_group], **options)
     return comms
 
-
-def _sum_then_reduce(segment: Tensor, received: Tensor, replicas: Collectives) -> list:
-    """Hybrid sharding on gloo, on ``Relays``'s thread once the shard group's exchange is in: sum the copies
-    ``received`` into ``segment`` and issue its all-reduce across ``replicas`` (see [Note: hybrid sharding's
-    collectives]). The caller counted it when it issued the reduce-scatter: ``stats`` is written by one thread.
-    Every collective of a replica group is issued here, in the order the reduce-scatters were, on every rank."""
-    for row in received:
-        segment.add_(row)
-    return [dist.all_reduce(segment, group=replicas.group, async_op=True)]

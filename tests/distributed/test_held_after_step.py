@@ -70,10 +70,11 @@ def _held(rank: int, world_size: int) -> dict:
         model = LanguageModel(HFModelConfig("gpt2", GPT2), lr=1e-3, warmup_steps=0)
         probe = _AfterStep()
         baseline = live_tensor_bytes()  # the data set, before anything of the model exists
-        make_trainer(ZeroStrategy(**options), world_size, max_steps=3, callbacks=[probe],
+        strategy = ZeroStrategy(**options)
+        make_trainer(strategy, world_size, max_steps=3, callbacks=[probe],
                      precision=precision).fit(model, train_dataloaders=data)
         out[name] = {"live": [b - baseline for b in probe.live], "buffers": probe.buffers,
-                     "psi": model.num_parameters}
+                     "psi": model.num_parameters, "lean": strategy.runtime.lean}
     return out
 
 
@@ -84,10 +85,11 @@ def held() -> list[dict]:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_held_after_a_step_is_within_the_bound_of_zeros_formula(held, name):
-    _, _, formula, bound, _ = RUNS[name]
+    _, _, formula, bound, budget = RUNS[name]
     for rank in held:
         result = rank[name]
         assert result["psi"] == PSI
+        assert result["lean"] == (budget == TIGHT)  # lean_memory=None decided from the budget
         expected = formula(result["psi"], 2)
         assert len(result["live"]) == 3
         for live in result["live"]:
