@@ -234,7 +234,8 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         offload = None
         if self.config.offload.offload_optimizer:
             offload = partial(make_offload, config=self.config, comms=comms, host_ranks=self.num_processes)
-        self._runtime = ZeroRuntime(self.model, config, comms, self.precision_plugin.working_dtype, materialized, offload)
+        working_dtype = self.precision_plugin.working_dtype
+        self._runtime = ZeroRuntime(self.model, config, comms, working_dtype, materialized, offload)
         del materialized  # the rows the shards were cut from: the shards own them now
         if self.config.stage == 3 and not self._runtime.single_rank:
             adapt_weight_callbacks(trainer, self._runtime, self.gathered_parameters)

@@ -52,8 +52,8 @@ shard group's exchange (inside the node) is waited for and summed where it is is
 once, as FSDP2's HSDP does, so that it crosses the link while the backward goes on. Issued when the result was
 needed, it left the link idle until then (1.19x FSDP2's HSDP step at 40 Mbit/s across two emulated nodes, the same
 bytes); issued by a relay thread once the exchange completed, it waited for that thread's turn on 2 busy cores
-(1.03-1.07x HSDP's at 10 Mbit/s, against 0.98-1.01x issued here, three A/B rounds of benchmarks/nodes.py). Elsewhere ``Reduced.wait``
-issues it, and on NCCL it is queued on the stream and the host does not wait.
+(1.03-1.07x HSDP's at 10 Mbit/s, against 0.98-1.01x issued here, three A/B rounds of benchmarks/nodes.py).
+Elsewhere ``Reduced.wait`` issues it, and on NCCL it is queued on the stream and the host does not wait.
 """
 
 from __future__ import annotations

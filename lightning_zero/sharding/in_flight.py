@@ -305,9 +305,10 @@ class BufferPool:
     not counted, so a large tied embedding is not kept twice), ``model_state_bytes`` counts what it keeps
     (``buffers``), and in a lean run (memory_policy.py) ``clear``s them at the end of each step (after its last
     backward, before the update): kept from step to step, two units' buffers were 0.22 of ZeRO-3's 16Ψ/N on a GPT-2
-    of 4 layers (a unit is a fifth of it). Stages 1 and 2 likewise hand theirs back only in a lean run. Allocating them again costs CPU time where a step is short: 1.10x (1.03-1.14x over six
-    rounds) on that GPT-2's 0.2 s step, none measurable on the 10.6M GPT of M-2 (0.99x); a ``buffer_pool_mb`` given
-    keeps that many MiB from step to step (BENCHMARKS.md, "What a rank holds after a step").
+    of 4 layers (a unit is a fifth of it). Stages 1 and 2 likewise hand theirs back only in a lean run. Allocating
+    them again costs CPU time where a step is short: 1.10x (1.03-1.14x over six rounds) on that GPT-2's 0.2 s step,
+    none measurable on the 10.6M GPT of M-2 (0.99x); a ``buffer_pool_mb`` given keeps that many MiB from step to step
+    (BENCHMARKS.md, "What a rank holds after a step").
     """
 
     def __init__(self, device: torch.device, limit: int = MAX_IN_FLIGHT, max_bytes: int | None = None) -> None:

@@ -11,9 +11,9 @@ every bucket up to the last one holding its own parameters: wait, unpack into th
 for a parameter gathered in place), give the buffer back to the pool and launch the next buckets. So the next
 forward computes with the first layers while the last ones are still on the wire, and no more than
 ``MAX_IN_FLIGHT`` bucket buffers ever exist. In a lean run, once the last bucket is complete the pool hands its
-buffers back to the allocator (and so does a step that starts with nothing in flight): the forward's activations, which peak at the
-start of the backward, reuse that memory, and the backward's last reductions, when most activations are freed,
-allocate it again. DDP's buckets are the gradients themselves, and a training peak above DDP's by one packed
+buffers back to the allocator (and so does a step that starts with nothing in flight): the forward's activations,
+which peak at the start of the backward, reuse that memory, and the backward's last reductions, when most
+activations are freed, allocate it again. DDP's buckets are the gradients themselves, and a training peak above DDP's by one packed
 bucket is what this avoids.
 
 [Note: what the gathers in flight hold]
