@@ -77,6 +77,17 @@ def lean_config(config: ZeroConfig, module: nn.Module, comms: Collectives, preci
     return dataclasses.replace(config, lean_memory=lean)
 
 
+def describe(lean: bool, config: ZeroConfig) -> str:
+    """What the run report says of the choice: which side, and why."""
+    side = "lean (what ZeRO's formulas say)" if lean else "fast (buffers and freed memory kept for speed)"
+    if config.lean_memory is not None:
+        return f"{side}: lean_memory={config.lean_memory}"
+    if config.offload.on_disk:
+        return f"{side}: disk offload"
+    over = "over" if lean else "at most"
+    return f"{side}: the model states are {over} 1/{round(1 / LEAN_SHARE)} of the memory budget"
+
+
 def resolve_lean(config: ZeroConfig, module: nn.Module, comms: Collectives, precision: str, local_ranks: int) -> bool:
     """``lean_memory`` where given, else decided alike on every rank from the largest share of its budget that a
     rank's model states take; always lean under disk offload."""

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_zero.host_memory import host_memory
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.memory_policy import describe
 from lightning_zero.monitor_report import (
     CompileStats,
     MonitorSummary,
@@ -167,7 +168,7 @@ class ZeroMonitor(pl.Callback):
             return
         compiled = CompileStats.between(*self._compiles, compile_counts()) if len(self._compiles) == 2 else None
         self.summary = dataclasses.replace(_summarize(trainer, pl_module, self._held, self._steps, self._unit),
-                                           host_budget=self._host_budget,
+                                           host_budget=self._host_budget, memory_mode=_memory_mode(trainer),
                                            optimizer_per_rank=self._owned_state, compiled=compiled)
         self._write_summary()
 
@@ -248,6 +249,15 @@ def _owned_state_per_rank(trainer: pl.Trainer, pl_module: pl.LightningModule,
         return None
     local = torch.tensor([held.optimizer], dtype=torch.int64, device=pl_module.device)
     return tuple(int(v) for v in trainer.strategy.all_gather(local).reshape(-1).tolist())
+
+
+def _memory_mode(trainer: pl.Trainer) -> str | None:
+    """Whether a ZeroStrategy run held lean or fast between steps, and why; ``None`` for other strategies."""
+    runtime = getattr(trainer.strategy, "_runtime", None)
+    config = getattr(trainer.strategy, "config", None)
+    if runtime is None or config is None:
+        return None
+    return describe(runtime.lean, config)
 
 
 def _comm_total(trainer: pl.Trainer) -> tuple[int, int | None] | None:

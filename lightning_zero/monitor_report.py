@@ -87,6 +87,8 @@ class MonitorSummary:
     #: The host budget as training started (host_memory.py: what bounds it), and disk offload's sub-groups.
     host_budget: str | None = None
     offload_subgroups: str | None = None
+    #: Whether the run held lean or fast between steps, and why (memory_policy.py, [Note: lean or fast memory]).
+    memory_mode: str | None = None
     #: What torch.compile did during fit (``None``: nothing was compiled): see [Note: what the report says of
     #: torch.compile].
     compiled: CompileStats | None = None
@@ -181,6 +183,8 @@ def format_report(s: MonitorSummary) -> str:
         lines.append(f"  of it sent to other nodes: {fmt(s.cross_bytes_per_step)}{versus}")
     if s.host_budget is not None:
         lines.append(f"  host budget as training started: {s.host_budget}")
+    if s.memory_mode is not None:
+        lines.append(f"  memory between steps: {s.memory_mode}")
     if s.offload_subgroups is not None:
         lines.append(f"  disk offload: {s.offload_subgroups}")
     if s.throughput is not None:

@@ -76,7 +76,11 @@ def test_train_reports_memory_and_communication(tmp_path, capfd, strategy, vs_dd
     assert s.throughput > 0 and s.throughput_unit == "tokens/s"
     if strategy == "ddp":
         assert s.comm_bytes_per_step is None  # DDPStrategy keeps no byte accounting
+        assert s.memory_mode is None
         return
+    # a tiny model on a host of GiBs: the fast side, said in the report
+    assert "  memory between steps: fast (buffers and freed memory kept for speed): the model states are at most " \
+           "1/8 of the memory budget" in out
     # Per step, 2Ψ(N-1)/N fp32 elements for zero1/2 (reduce-scatter gradients, all-gather parameters) and up to
     # 3Ψ(N-1)/N for zero3, which also gathers parameters again for backward unless a unit stays gathered.
     assert s.ideal_comm_bytes_per_step == (6 if strategy == "zero3" else 4) * psi

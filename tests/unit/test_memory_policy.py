@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_zero import memory_policy
 from lightning_zero.config import ZeroConfig
-from lightning_zero.memory_policy import LEAN_SHARE, model_state_share, resolve_lean
+from lightning_zero.memory_policy import LEAN_SHARE, describe, model_state_share, resolve_lean
 
 
 class _Ranks:
@@ -76,3 +76,13 @@ def test_disk_offload_is_always_lean(monkeypatch):
 def test_lean_memory_must_be_a_boolean_or_null(value):
     with pytest.raises(ValueError, match="lean_memory=.* is invalid: it must be true, false or null"):
         ZeroConfig(lean_memory=value)
+
+
+def test_the_report_says_which_side_and_why():
+    assert describe(False, ZeroConfig(stage=3)) == (
+        "fast (buffers and freed memory kept for speed): the model states are at most 1/8 of the memory budget")
+    assert describe(True, ZeroConfig(stage=3)) == (
+        "lean (what ZeRO's formulas say): the model states are over 1/8 of the memory budget")
+    assert describe(True, ZeroConfig(stage=3, lean_memory=True)).endswith(": lean_memory=True")
+    disk = ZeroConfig.from_options(stage=3, offload_optimizer="disk", offload_params="disk")
+    assert describe(True, disk).endswith(": disk offload")
