@@ -6,8 +6,8 @@ for the same number of steps, each run in fresh processes (one per rank, gloo, o
 approaches alternating round by round so that machine drift hits all alike (zbench/plan.py). Per approach it reports
 the median step time after warm-up (min/max), throughput, per-rank model-state bytes counted from held tensors, peak
 RSS per rank, bytes communicated per step (counted by wrapping torch.distributed, the same for all) and the loss after
-the last step, which must agree across approaches. It writes docs/benchmarks/comparison.md (tables), a PNG plot and a JSON file with
-every raw figure.
+the last step, which must agree across approaches. It writes docs/benchmarks/comparison.md (tables), a PNG plot and
+a JSON file with every raw figure.
 
     DS_ACCELERATOR=cpu .venv-peers/bin/python benchmarks/compare.py   # full run (~22-27 min on 2 cores)
     python benchmarks/compare.py --quick              # < 1 min, tiny model; report in bench_work/compare/quick/

@@ -82,8 +82,8 @@ def main() -> int:
             print(f"[cpu_regression] round {r + 1}/{args.rounds}: {name} done", flush=True)
     print(f"\nPer step, median ({args.config}, {args.rounds} rounds; base {args.base}): CPU time of both ranks, and "
           "the slowest rank's wall time beside it (noisier on a shared machine; only CPU time is judged):\n")
-    print("| approach | CPU base (ms) | CPU this (ms) | this / base | wall base (ms) | wall this (ms) | this / base | |\n"
-          "|---|--:|--:|--:|--:|--:|--:|---|")
+    print("| approach | CPU base (ms) | CPU this (ms) | this / base | wall base (ms) | wall this (ms) | this / base "
+          "| |\n|---|--:|--:|--:|--:|--:|--:|---|")
     flagged = False
     for approach in args.approaches.split(","):
         base, this = samples["base"].get(approach), samples["this"].get(approach)

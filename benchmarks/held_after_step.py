@@ -9,11 +9,11 @@ flight to the next forward count too. Beside each, the same run as before issue 
 between steps (up to two units' buffers), zero1/zero2's gathers left in flight whatever their buffers hold
 (``overlap_gather=True``; one 25 MiB bucket holds this whole model); both with ``lean_memory=True``, which the
 defaults take where the model states are over an eighth of the rank's memory budget (memory_policy.py; on a roomy
-machine this model gets the fast side, which keeps those buffers as "before" does). Then the step times of both, on this model and
-on the 10.6M GPT of BENCHMARKS.md's M-2 (vocabulary 8192, 8 layers of width 256, whose two buckets of 25 MiB are more
-than its 42 MB of parameters), in rounds alternating the two (the median of each, steps 3 and on, the slower rank's),
-wall-clock and CPU time (the process's, all its threads). Wall-clock timings on this shared 2-core machine are noisy:
-read them against the rounds' spread, and beside the CPU time, which a busy machine disturbs less.
+machine this model gets the fast side, which keeps those buffers as "before" does). Then the step times of both, on this
+model and on the 10.6M GPT of BENCHMARKS.md's M-2 (vocabulary 8192, 8 layers of width 256, whose two buckets of 25 MiB
+are more than its 42 MB of parameters), in rounds alternating the two (the median of each, steps 3 and on, the slower
+rank's), wall-clock and CPU time (the process's, all its threads). Wall-clock timings on this shared 2-core machine are
+noisy: read them against the rounds' spread, and beside the CPU time, which a busy machine disturbs less.
 
     python benchmarks/held_after_step.py                 # ~5 min on 2 cores
     python benchmarks/held_after_step.py --report-only benchmarks/results/held_after_step.json

@@ -74,9 +74,9 @@ def quantized_reduce_bytes(trainable_params: int, ranks: int, node_size: int, bi
     """qgZ (``quantize_grads``): the bytes one rank sends per step in the gradient reduce, ``(inside its node, across
     nodes)``, for ``ranks`` ranks in nodes of ``node_size``: its segment ``S = ceil(Ψ_t / N)`` is sent as block
     payloads (an fp32 scale per 4096 elements), ``(K - 1) G P8`` to the other members of its node as int8 and
-    ``(G - 1) P`` across as ``bits`` 4 or 8 (quantized_collectives.py, [Note: the quantized reduce-scatter], [Note: qgZ's two
-    formats]). Counted as one block run: blocks restart at each parameter, which adds at most a scale and 3 bytes of
-    alignment per parameter to each payload."""
+    ``(G - 1) P`` across as ``bits`` 4 or 8 (quantized_collectives.py, [Note: the quantized reduce-scatter], [Note:
+    qgZ's two formats]). Counted as one block run: blocks restart at each parameter, which adds at most a scale and 3
+    bytes of alignment per parameter to each payload."""
     trainable = _check_counts(trainable_params, ranks, None)
     if node_size < 1 or ranks % node_size:
         raise EstimateError(f"node_size={node_size} is invalid for {ranks} ranks: it must divide the number of ranks")

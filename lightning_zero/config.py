@@ -67,8 +67,9 @@ class CommConfig:
             step; otherwise they complete before the step returns. ``True`` always, ``False`` never.
         quantize_grads: ZeRO++'s qgZ: ``"int4"`` or ``"int8"`` reduces each gradient bucket as block-quantized
             payloads (one fp32 scale per 4096 elements) in two all-to-alls, inside the node then across nodes,
-            dequantized before each fp32 sum (quantized_collectives.py, [Note: the quantized reduce-scatter]): int4 sends about
-            1/8 of fp32's bytes; with offload the reduced shards go where offload keeps them, as unquantized ones do.
+            dequantized before each fp32 sum (quantized_collectives.py, [Note: the quantized reduce-scatter]): int4
+            sends about 1/8 of fp32's bytes; with offload the reduced shards go where offload keeps them, as
+            unquantized ones do.
             ``None`` (default) reduces in full precision.
     """
 

@@ -34,7 +34,8 @@ def how_to_select(option: str, registered: frozenset[str]) -> str:
     if option in registered:
         return f'strategy={option} on the command line, Trainer(strategy="{option}") in Python'
     options = LAYOUTS[option].strategy_options()
-    cli = " ".join([f"strategy=zero{options['stage']}"] + [f"strategy.{k}={v}" for k, v in options.items() if k != "stage"])
+    settings = [f"strategy.{k}={v}" for k, v in options.items() if k != "stage"]
+    cli = " ".join([f"strategy=zero{options['stage']}", *settings])
     python = ", ".join(f"{k}={v!r}" for k, v in options.items())
     return f"{cli} on the command line, Trainer(strategy=ZeroStrategy({python})) in Python"
 

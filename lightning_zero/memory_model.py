@@ -1,6 +1,6 @@
 """The memory model: model-state bytes per rank for DDP, ZeRO stages 1-3 and their offload options, by placement
-(device, host memory, disk), and the least complex option that fits is chosen in recommend.py. estimate.py re-exports it with the
-peak of a run (peak_model.py) and the bytes on the links (comm_model.py).
+(device, host memory, disk), and the least complex option that fits is chosen in recommend.py. estimate.py re-exports
+it with the peak of a run (peak_model.py) and the bytes on the links (comm_model.py).
 
 [Note: what the memory model counts]
 Model states only, for Adam-like optimizers (two fp32 moments per element, K = 12 in the ZeRO paper), with Ψ parameters

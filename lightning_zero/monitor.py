@@ -52,7 +52,8 @@ from lightning_zero.monitor_report import (
 )
 
 # Kept importable from here, where they were before monitor_report.py was split off.
-__all__ = ["CompileStats", "MonitorSummary", "StepRecord", "ZeroMonitor", "compile_counts", "format_report", "option_of"]
+__all__ = ["CompileStats", "MonitorSummary", "StepRecord", "ZeroMonitor", "compile_counts", "format_report",
+           "option_of"]
 
 
 @dataclass(frozen=True)

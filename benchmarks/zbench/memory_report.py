@@ -122,8 +122,8 @@ def render(results: dict) -> str:
     terms = est["formulas"]
     lines += ["", "Formula terms per option (MiB): baseline, eager model, model states in memory, buckets, gathered "
               "units, stage 3's reductions in flight, activations, optimizer workspace; a step adds them up, except "
-              "that stage 3's holds the larger of activations + reductions and workspace (lightning_zero/peak_model.py, "
-              "[Note: the peak of a run], [Note: where stage 3's step peaks]):", "",
+              "that stage 3's holds the larger of activations + reductions and workspace "
+              "(lightning_zero/peak_model.py, [Note: the peak of a run], [Note: where stage 3's step peaks]):", "",
               "| option | " + " | ".join(next(iter(terms.values()))["terms"]) + " |",
               "|---" * (len(next(iter(terms.values()))["terms"]) + 1) + "|"]
     for option in dict.fromkeys(row["option"] for row in table):

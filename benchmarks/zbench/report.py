@@ -452,7 +452,8 @@ def ops_lines(results, rows) -> list[str]:
             steal = "; host steal per round " + ", ".join(
                 "-" if x is None else f"{100 * x:.1f}%" for x in r["round_steal"])
         lines.append(f"- {_label(results, n)}: per step {ops or 'no collectives'}{extra}; median per round "
-                     f"{rounds} ms (* a disturbed round, left out for every approach){steal}; setup {r['setup_s']:.1f} s")
+                     f"{rounds} ms (* a disturbed round, left out for every approach){steal}; "
+                     f"setup {r['setup_s']:.1f} s")
     return lines
 
 

@@ -116,7 +116,8 @@ class Bucket:
             return
         outs, staged = [], []
         for shard, tensor, padded in zip(self.shards, tensors, self.padded_numels):
-            direct = shard.spec.numel == self.world_size * padded and tensor.is_contiguous() and tensor.dtype == buffer.dtype
+            direct = (shard.spec.numel == self.world_size * padded and tensor.is_contiguous()
+                      and tensor.dtype == buffer.dtype)
             if direct:
                 outs.append(tensor.view(self.world_size, padded))
             else:

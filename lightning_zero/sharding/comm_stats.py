@@ -29,7 +29,8 @@ class OpStats:
 
 @dataclass
 class CommStats:
-    """Byte accounting of every collective a :class:`Collectives` issued (see [Note: what the byte accounting counts])."""
+    """Byte accounting of every collective a :class:`Collectives` issued (see [Note: what the byte accounting
+    counts])."""
 
     by_op: dict[str, OpStats] = field(default_factory=dict)
 

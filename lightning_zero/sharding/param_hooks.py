@@ -352,7 +352,8 @@ class ShardedParams:
 
     def end_step(self) -> None:
         """After the step's last backward, or an evaluation step: free every unit, the root included; under qwZ,
-        raise if a gather of the step held an inf or a NaN (quantized_collectives.py, [Note: the quantized all-gather])."""
+        raise if a gather of the step held an inf or a NaN (quantized_collectives.py, [Note: the quantized
+        all-gather])."""
         if self._forward_order:
             self._last_order, self._forward_order = self._forward_order, []
         self._input_grad_calls.clear()

@@ -33,8 +33,8 @@ form ``G`` groups ("nodes") of ``K`` consecutive ranks, rank ``g * K + k``.
 
 ``TwoStageReduce.parts`` cuts each segment into consecutive parts (a bucket's parameters) whose blocks restart at
 each part, so that the result is that of each part reduced on its own and one parameter's small gradients never share
-a scale with another's large ones (quantized_collectives.py, [Note: the quantized reduce-scatter]); the payload of a segment is
-then its parts' payloads end to end.
+a scale with another's large ones (quantized_collectives.py, [Note: the quantized reduce-scatter]); the payload of a
+segment is then its parts' payloads end to end.
 
 A stage with one member (``K = 1``, or ``G = 1``) is an exchange with oneself that saves no bytes; it is quantized all
 the same, so that every topology runs the same steps and the reference stays one definition.

@@ -13,8 +13,8 @@ forward computes with the first layers while the last ones are still on the wire
 ``MAX_IN_FLIGHT`` bucket buffers ever exist. In a lean run, once the last bucket is complete the pool hands its
 buffers back to the allocator (and so does a step that starts with nothing in flight): the forward's activations,
 which peak at the start of the backward, reuse that memory, and the backward's last reductions, when most
-activations are freed, allocate it again. DDP's buckets are the gradients themselves, and a training peak above DDP's by one packed
-bucket is what this avoids.
+activations are freed, allocate it again. DDP's buckets are the gradients themselves, and a training peak above DDP's
+by one packed bucket is what this avoids.
 
 [Note: what the gathers in flight hold]
 Left in flight, the gathers hold up to ``MAX_IN_FLIGHT`` bucket buffers from the step to the next forward (with the
