@@ -7,9 +7,11 @@
 #
 # 1. Installs the wheels carried in .whl/ (hydra-core, omegaconf, deepspeed, ...; how to download them is in the
 #    shared gpu/README.md) into .site/ and puts it and the checkout on PYTHONPATH; nothing is fetched.
-# 2. tests/gpu/test_cuda.py: the CUDA paths, each parity test once with the world-size-1 short cut and once with
-#    every NCCL collective issued (two NCCL ranks cannot share one GPU, so one rank with real collectives is how one
-#    GPU proves them); a zero3 fork from a process that never initialized CUDA; ZeroMonitor's event timing.
+# 2. tests/gpu/test_cuda.py and test_user_code_cuda.py: the CUDA paths, each parity test once with the world-size-1
+#    short cut and once with every NCCL collective issued (two NCCL ranks cannot share one GPU, so one rank with real
+#    collectives is how one GPU proves them); a zero3 fork from a process that never initialized CUDA; ZeroMonitor's
+#    event timing; lean_memory decided from the GPU's memory; user code (gradient hooks, EMA, a whole-parameter
+#    optimizer) against DDP on NCCL.
 # 3. tests/gpu/test_offload.py: optimizer offload to the host, parameter offload and disk offload, NCCL issued,
 #    against the same stage without offload at every step (and stage 3's three modes bitwise against one another).
 # 4. compare.py --gpu (skipped with BENCH=0): the one-GPU table (single device, zero1/2/3, zero3 with its
@@ -41,13 +43,17 @@ torch.cuda.get_device_name() if cuda else '')"
 } | tee "$OUT/env.txt"
 
 status=0
-timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py 2>&1 | tail -40 \
-  | tee "$OUT/tests_gpu.txt" || status=1
-timeout "${OFFLOAD_S:-180}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_offload.py 2>&1 | tail -40 \
-  | tee "$OUT/tests_gpu_offload.txt" || status=1
+# Each step's whole log is written under $OUT; its last lines are printed.
+timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py \
+  tests/gpu/test_user_code_cuda.py >"$OUT/tests_gpu.txt" 2>&1 || status=1
+tail -25 "$OUT/tests_gpu.txt"
+timeout "${OFFLOAD_S:-180}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_offload.py \
+  >"$OUT/tests_gpu_offload.txt" 2>&1 || status=1
+tail -25 "$OUT/tests_gpu_offload.txt"
 if [ "${BENCH:-1}" != 0 ]; then
   timeout "${BENCH_S:-360}" "$PY" benchmarks/compare.py --gpu --gpu-size "$SIZE" --results "$OUT/gpu.json" \
-    --out "$OUT/GPU.md" 2>&1 | tail -40 | tee "$OUT/compare_gpu.txt" || status=1
+    --out "$OUT/GPU.md" >"$OUT/compare_gpu.txt" 2>&1 || status=1
+  tail -30 "$OUT/compare_gpu.txt"
 fi
 echo "gpu_session: exit $status (results in $OUT)"
 exit $status

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import consolidate
@@ -33,11 +33,12 @@ from tests.models import Recorder, StepSeededLM, flat_params
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _fit(strategy, precision=None, steps=8, model_cls=StepSeededLM, ckpt_path=None, **trainer_kwargs):
+def _fit(strategy, precision=None, steps=8, model_cls=StepSeededLM, ckpt_path=None, callbacks=(), **trainer_kwargs):
     pl.seed_everything(11, verbose=False)
     model, recorder = model_cls(), Recorder()
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cuda", devices=1, max_steps=steps, precision=precision, callbacks=[recorder],
+        strategy=strategy, accelerator="cuda", devices=1, max_steps=steps, precision=precision,
+        callbacks=[recorder, *callbacks],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         **trainer_kwargs,
     )
@@ -122,12 +123,24 @@ def test_sharded_checkpoint_of_cuda_tensors_resumes_exactly(tmp_path: Path, coll
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_sync_batchnorm_on_the_gpu(stage: int, collectives: str) -> None:
-    # SyncBatchNorm needs GPU modules (refused on CPU, as DDP does); at world size 1 it normalises as BatchNorm, so
-    # single-device training with plain BatchNorm is the reference, running statistics included.
-    want_trainer, want = _fit("auto", model_cls=ConvNet)
-    trainer, got = _fit(_zero(stage, collectives, units=("Conv2d", "Linear")), model_cls=ConvNet, sync_batchnorm=True)
-    assert isinstance(trainer.lightning_module.bn, torch.nn.SyncBatchNorm)
+def test_sync_batchnorm_on_the_gpu(stage: int, collectives: str, monkeypatch) -> None:
+    # SyncBatchNorm needs GPU modules (refused on CPU, as DDP does). The reference is Lightning's DDP with
+    # sync_batchnorm on the same device: ConvNet's data come from a DataLoader, whose order the distributed sampler
+    # decides, so a single-device run sees other batches. Lightning converts at setup and reverts at teardown (under
+    # DDP as under ours): the type is read while training. cuDNN's deterministic kernels keep both runs' convolution
+    # gradients free of atomics' ordering.
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    seen = []
+
+    class BatchNormType(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, *_args) -> None:
+            seen.append(type(pl_module.bn))
+
+    want_trainer, want = _fit(DDPStrategy(), model_cls=ConvNet, sync_batchnorm=True, callbacks=[BatchNormType()])
+    trainer, got = _fit(_zero(stage, collectives, units=("Conv2d", "Linear")), model_cls=ConvNet, sync_batchnorm=True,
+                        callbacks=[BatchNormType()])
+    assert len(seen) == 16 and set(seen) == {torch.nn.SyncBatchNorm}
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
     for a, b in zip(got.params, want.params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -149,7 +162,10 @@ def test_zero3_fork_from_a_process_that_never_initialized_cuda(tmp_path: Path) -
     # A fresh interpreter (this one has initialized CUDA): init_module() and the fork leave its CUDA uninitialized,
     # Lightning forks the rank, and the rank materializes what an eager build on the GPU draws from the same seed.
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    # Without this process's rendezvous variables: its earlier fits' store may still hold MASTER_PORT.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+                                                            "LOCAL_RANK", "NODE_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
     job = subprocess.run([sys.executable, str(repo / "tests" / "gpu" / "fork_job.py"), str(tmp_path)], cwd=repo,
                          env=env, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
@@ -170,3 +186,23 @@ def test_zero_monitor_times_gpu_steps_with_events(stage: int) -> None:
     summary = monitor.summary
     assert summary is not None and summary.steps == 6 and summary.steps_timed == 5
     assert all(step.seconds > 0 for step in monitor._steps) and summary.throughput > 0
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_lean_memory_is_decided_from_the_gpus_memory(stage: int, monkeypatch) -> None:
+    # On CUDA the budget is the device's memory (memory_policy.memory_budget), and the share is all-reduced over NCCL
+    # (a CUDA tensor). A small model on a 140 GiB GPU runs fast; the same model against a budget of 4x its states runs
+    # lean, and both train to the same losses (lean or fast changes when memory is returned, never a value).
+    from lightning_zero import memory_policy
+
+    device = torch.device("cuda", 0)
+    assert memory_policy.memory_budget(device, 1) == torch.cuda.get_device_properties(device).total_memory
+    fast_trainer, fast = _fit(_zero(stage, "nccl"))
+    assert fast_trainer.strategy.runtime.lean is False
+    model = StepSeededLM()
+    model.configure_model()
+    states = memory_policy.model_state_share(_zero(stage).config, model, 1, "32-true", 1)
+    monkeypatch.setattr(memory_policy, "memory_budget", lambda device, ranks: int(4 * states))
+    lean_trainer, lean = _fit(_zero(stage, "nccl"))
+    assert lean_trainer.strategy.runtime.lean is True
+    np.testing.assert_allclose(lean.losses, fast.losses, rtol=1e-6)
