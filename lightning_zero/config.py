@@ -122,10 +122,11 @@ class Stage3Config:
             ``prefetch + 1`` gathered units are alive at once (plus, in backward, units whose gradients are pending).
         reshard_after_forward: free a unit's parameters after its forward and gather them again for backward
             (ZeRO-3); ``False`` keeps them from forward to backward, trading memory for one all-gather less.
-        verify_unit_order: before each unit's collective, ranks check on a CPU control channel that they move the
+        verify_unit_order: before each unit's collective, ranks check on a host-side channel that they move the
             same unit, so control flow that differs between ranks fails at once naming both units, instead of
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per
-            unit collective, waited for before issuing only where a rank leaves the sequence of the steps before.
+            unit collective (through shared memory where the ranks share a host), waited for before issuing only
+            where a rank leaves the sequence of the steps before.
         buffer_pool_mb: on a host (not on CUDA, whose caching allocator reuses memory already), the gather and
             reduction buffers kept across units hold at most this many MiB, and are kept from step to step too;
             ``None`` (default): twice the largest unit's buffer (the root unit, gathered once a step, not counted),

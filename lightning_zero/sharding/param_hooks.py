@@ -63,6 +63,7 @@ from lightning_zero.sharding.grad_hooks import (
     BucketReductions, GradHooks, GradShards, HandOut, ShardStorage, grad_format, warn_unused,
 )
 from lightning_zero.sharding.quantize import BlockFormat
+from lightning_zero.sharding.unit_order import SharedBoard, unit_order_channel
 from lightning_zero.sharding.unit_state import (
     UNBOUNDED,
     RankDivergenceError,
@@ -110,8 +111,10 @@ class ShardedParams:
         self._sequence: list[tuple[int, int]] = []
         self._previous: list[tuple[int, int]] = []
         self._expected: list[tuple[int, int]] = []
+        #: What the unit-order check exchanges through (see [Note: the unit-order board] in unit_order.py).
+        self._order: SharedBoard | Collectives | None = None
         if config.verify_unit_order:
-            comms.open_control_channel()
+            self._order = unit_order_channel(comms, len(self.all_units))
             for unit in self.all_units:
                 unit.announce = self._announce
         self.comms = comms
@@ -282,8 +285,9 @@ class ShardedParams:
         """[Note: ranks that run different units] Every unit collective is a collective: if one rank gathers a unit
         that another skipped (a branch taken on some ranks only), their collectives no longer pair up; gloo aborts the
         process on the size mismatch, NCCL hangs until the process-group timeout. So for each one, the ranks swap
-        which unit they are about to move (three integers over a CPU control group of its own, no device
-        synchronisation), and a disagreement raises on every rank, naming both units, before any of them waits on a
+        which unit they are about to move (three integers, no device synchronisation: through memory where the
+        group's ranks share a host, else over a CPU control group of its own; see [Note: the unit-order board] in
+        unit_order.py), and a disagreement raises on every rank, naming both units, before any of them waits on a
         mismatched collective.
 
         Waiting for that swap before every collective holds the ranks in lockstep some 25 times a step (measured on 2
@@ -302,9 +306,9 @@ class ShardedParams:
         position = len(self._sequence)
         self._sequence.append((mine[0], mine[1]))
         if position < len(self._expected) and self._expected[position] == self._sequence[-1]:
-            exchanged = self.comms.exchange_async(mine)
+            exchanged = self._order.exchange_async(mine)
             return lambda: self._check_same_unit(kind, unit, mine, exchanged.wait())
-        self._check_same_unit(kind, unit, mine, self.comms.exchange(mine))
+        self._check_same_unit(kind, unit, mine, self._order.exchange(mine))
         return None
 
     def _check_same_unit(self, kind: str, unit: Unit, mine: list[int], everyone: list[list[int]]) -> None:
@@ -405,6 +409,9 @@ class ShardedParams:
             hook.remove()
         self._hooks.clear()
         self._grad_hooks.remove()
+        if isinstance(self._order, SharedBoard):
+            self._order.close()
+        self._order = None
 
 
 def _eager(hook: Callable) -> Callable:

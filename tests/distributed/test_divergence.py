@@ -9,7 +9,10 @@ taken from the first step, and one taken after the ranks have settled into check
 There a rank has already issued the collective its peer will never match: under NCCL it would spin until the
 process-group timeout, so each rank aborts the group before raising (collectives.py, [Note: ending collectives no
 peer will match]). With NCCL faked on gloo (the group's device served by "nccl", gloo's algorithms still running,
-``ProcessGroup.abort`` recorded instead of done), every rank aborts once before its error propagates; on gloo none."""
+``ProcessGroup.abort`` recorded instead of done), every rank aborts once before its error propagates; on gloo none.
+
+The ranks exchange through the shared-memory board where they share a host (these tests' ranks do), else through the
+gloo control channel (unit_order.py, [Note: the unit-order board]): each case runs over both."""
 
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.sharding import param_hooks
 from lightning_zero.sharding.collectives import Collectives
+from lightning_zero.sharding.unit_order import SharedBoard
 from lightning_zero.sharding.unit_state import RankDivergenceError
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, make_trainer
@@ -39,6 +44,16 @@ class SkipsABlockOnRank1(TinyLM):
         for block in self.lm["blocks"][:1] if skip else self.lm["blocks"]:
             x = block(x)
         return self.lm["head"](self.lm["ln_f"](x))
+
+
+CHANNELS = {"board": SharedBoard, "gloo": Collectives}
+
+
+def _use_channel(channel: str) -> type:
+    """Make this rank's zero3 check exchange through ``channel``; the class whose exchanges it then makes."""
+    if channel == "gloo":
+        param_hooks.unit_order_channel = lambda comms, units: (comms.open_control_channel(), comms)[1]
+    return CHANNELS[channel]
 
 
 def _count_exchanges(monkeypatch_target: type) -> dict[str, int]:
@@ -64,8 +79,8 @@ def _fit(from_step: int | None, world_size: int, steps: int) -> None:
     trainer.fit(SkipsABlockOnRank1(from_step))
 
 
-def _cases(rank: int, world_size: int, from_step: int) -> None:
-    counts = _count_exchanges(Collectives)
+def _cases(rank: int, world_size: int, from_step: int, channel: str) -> None:
+    counts = _count_exchanges(_use_channel(channel))
     _fit(None, world_size, steps=5)  # no branch: the first two steps check first, the next three beside
     per_step = counts["beside"] // 5  # every exchange goes through exchange_async, a waited one too
     expected = {"first": 2 * per_step, "beside": 5 * per_step}
@@ -73,20 +88,22 @@ def _cases(rank: int, world_size: int, from_step: int) -> None:
     _fit(from_step, world_size, steps=4)
 
 
+@pytest.mark.parametrize("channel", list(CHANNELS))
 @pytest.mark.parametrize("from_step", [0, 2], ids=["first-step", "after-settling"])
-def test_ranks_running_different_units_fail_fast_naming_both(from_step: int) -> None:
+def test_ranks_running_different_units_fail_fast_naming_both(from_step: int, channel: str) -> None:
     started = time.perf_counter()
     with pytest.raises(AssertionError) as err:
-        run_on_ranks(lambda rank, world_size: _cases(rank, world_size, from_step), 2, timeout_s=60)
+        run_on_ranks(lambda rank, world_size: _cases(rank, world_size, from_step, channel), 2, timeout_s=60)
     message = str(err.value)
     assert "RankDivergenceError: ranks diverged under zero3" in message
     assert "unit 'lm.blocks.1'" in message and "unit 'lm.blocks.0'" in message
     assert time.perf_counter() - started < 30
 
 
-def _diverge_recording_aborts(from_step: int, world_size: int, nccl: bool) -> tuple[str, list[bool]]:
+def _diverge_recording_aborts(from_step: int, world_size: int, nccl: bool, channel: str) -> tuple[str, list[bool]]:
     """The error this rank's divergent fit raised, and for each group abort, whether no exception was propagating yet
     (``ProcessGroup.abort`` recorded, not done: the fork ends after this fit)."""
+    _use_channel(channel)
     aborts: list[bool] = []
     dist.ProcessGroup.abort = lambda group: aborts.append(sys.exc_info() == (None, None, None))
     if nccl:
@@ -109,9 +126,12 @@ def _diverge_recording_aborts(from_step: int, world_size: int, nccl: bool) -> tu
     [(0, "nccl"), (2, "nccl"), (2, "gloo")],
     ids=["first-step-nccl", "after-settling-nccl", "after-settling-gloo"],
 )
-def test_under_nccl_every_rank_aborts_the_group_before_its_error_propagates(from_step: int, backend: str) -> None:
+@pytest.mark.parametrize("channel", list(CHANNELS))
+def test_under_nccl_every_rank_aborts_the_group_before_its_error_propagates(from_step: int, backend: str,
+                                                                            channel: str) -> None:
     results = run_on_ranks(
-        lambda rank, world_size: _diverge_recording_aborts(from_step, world_size, backend == "nccl"), 2, timeout_s=60
+        lambda rank, world_size: _diverge_recording_aborts(from_step, world_size, backend == "nccl", channel), 2,
+        timeout_s=60,
     )
     expected = [True] if backend == "nccl" else []
     assert results == [("ranks diverged under zero3", expected)] * 2
