@@ -63,7 +63,7 @@ from lightning_zero.sharding.grad_hooks import (
     BucketReductions, GradHooks, GradShards, HandOut, ShardStorage, grad_format, warn_unused,
 )
 from lightning_zero.sharding.quantize import BlockFormat
-from lightning_zero.sharding.unit_order import SharedBoard, unit_order_channel
+from lightning_zero.sharding.unit_order import COUNT_RANGE, SharedBoard, unit_order_channel
 from lightning_zero.sharding.unit_state import (
     UNBOUNDED,
     RankDivergenceError,
@@ -302,7 +302,7 @@ class ShardedParams:
         process-group timeout. A rank that issued only part of the expected sequence (it ended its step early) expects
         nothing in the next step, so its next collective is checked first too."""
         self._announced += 1
-        mine = [self._KINDS.index(kind), unit.index, self._announced]
+        mine = [self._KINDS.index(kind), unit.index, self._announced % COUNT_RANGE]  # as the board holds it
         position = len(self._sequence)
         self._sequence.append((mine[0], mine[1]))
         if position < len(self._expected) and self._expected[position] == self._sequence[-1]:

@@ -13,9 +13,14 @@ high bits, then the kind, the unit and the count of the step. Reading the ``c``-
 ``c % SLOTS`` of every row until each holds tag ``c``: the same pairing by call order an all-gather makes, so the check
 reasons about it unchanged. A rank cannot get ``SLOTS`` announcements ahead of another: it waits on the gathers it
 issues, which need the other's; a word found more than half the tag range ahead says the rows were overrun, and
-raises. Waiting yields the core, then sleeps in steps growing to a millisecond (a rank waits only where the other has
-not announced yet: the first steps, a branch); it runs Python throughout, so the watchdog's error reaches it, and it
-gives up after the process group's default timeout, naming the ranks that never announced. It sleeps at once rather
+raises. Waiting sleeps, in steps growing from 20 microseconds to a millisecond (a rank waits only where another has
+not announced yet); it runs Python throughout, so the watchdog's error reaches it, and it
+gives up after the process group's default timeout, naming the ranks that never announced. A peer that died (killed,
+out of memory) closes no connection the board would see, where gloo's collective would have failed at once ("Connection
+reset by peer", which the watchdog turns into an error naming the rank within a probe): so while it waits, every
+``LIVENESS_S`` the board looks whether the processes it waits for still run (``/proc/PID``, the ranks' process ids
+swapped at opening, checked only where every rank sees the same process-id namespace), and raises a
+``DistNetworkError`` naming the rank that ended, which the watchdog treats as gloo's error. It sleeps at once rather
 than spinning first: on 2 busy cores a rank that spun (64 ``sched_yield`` calls before the first sleep) took the core
 from its own gloo thread, whose transfer it was waiting for (M-2, 6 rounds: 385 ms a step spinning, 341 sleeping at
 once, 377 with the check off).
@@ -35,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from torch.distributed import default_pg_timeout
+from torch.distributed import DistNetworkError, default_pg_timeout
 
 from lightning_zero.sharding.collectives import Collectives
 
@@ -45,8 +50,12 @@ SLOTS = 1024
 TAG_BITS, KIND_BITS, UNIT_BITS, COUNT_BITS = 20, 2, 17, 24
 #: Units a board can name; a model with more checks over the control channel.
 MAX_UNITS = 1 << UNIT_BITS
+#: A step's unit collectives are counted modulo this (by the gloo channel's callers too, so both compare alike).
+COUNT_RANGE = 1 << COUNT_BITS
 #: Where the board's file is made.
 SHM_DIR = "/dev/shm"
+#: How often a waiting rank looks whether the ranks it waits for still run.
+LIVENESS_S = 0.05
 
 
 def unit_order_channel(comms: Collectives, units: int) -> SharedBoard | Collectives:
@@ -62,7 +71,7 @@ def pack(call: int, values: Sequence[int]) -> int:
     """One word: ``call``'s tag, then ``values`` = (kind, unit, count of the step), the count modulo its range."""
     kind, unit, count = values
     word = call % (1 << TAG_BITS)
-    for value, bits in ((kind, KIND_BITS), (unit, UNIT_BITS), (count % (1 << COUNT_BITS), COUNT_BITS)):
+    for value, bits in ((kind, KIND_BITS), (unit, UNIT_BITS), (count % COUNT_RANGE, COUNT_BITS)):
         if not 0 <= value < 1 << bits:
             raise ValueError(f"{value} does not fit the unit-order board's {bits}-bit field")
         word = word << bits | value
@@ -82,8 +91,11 @@ class SharedBoard:
     """Every rank's unit-collective announcements, in memory the ranks of one host share (see [Note: the unit-order
     board]). ``exchange`` and ``exchange_async`` answer as ``Collectives``' do."""
 
-    def __init__(self, memory: mmap.mmap, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, memory: mmap.mmap, rank: int, world_size: int, timeout_s: float,
+                 pids: Sequence[int] | None = None) -> None:
         self._memory = memory
+        #: Each rank's process id, where they all share this process's namespace of them (else ``None``).
+        self.pids = list(pids) if pids is not None else None
         self._words = np.frombuffer(memory, dtype=np.int64, count=world_size * SLOTS, offset=8).reshape(world_size,
                                                                                                           SLOTS)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
@@ -100,14 +112,16 @@ class SharedBoard:
                 number = 0
         (number,) = comms.exchange([number])[0]
         memory = _map(_path(number), nbytes, number) if number else None
-        everyone = comms.exchange([int(memory is not None)])
+        everyone = comms.exchange([int(memory is not None), os.getpid(), _pid_namespace()])
         if comms.rank == 0 and number:
             os.unlink(_path(number))  # every rank that could has mapped it
-        if not all(ok for (ok,) in everyone):
+        if not all(ok for ok, _, _ in everyone):
             if memory is not None:
                 memory.close()
             return None
-        return cls(memory, comms.rank, comms.world_size, default_pg_timeout.total_seconds())
+        same = len({ns for _, _, ns in everyone}) == 1 and everyone[0][2] != 0
+        pids = [pid for _, pid, _ in everyone] if same else None
+        return cls(memory, comms.rank, comms.world_size, default_pg_timeout.total_seconds(), pids)
 
     def exchange_async(self, values: Sequence[int]) -> Posted:
         """Announce ``values`` (kind, unit, count of the step) as this rank's next exchange."""
@@ -122,7 +136,7 @@ class SharedBoard:
         """Every rank's values of exchange ``call``, in rank order, once every rank has announced it."""
         slot, tag, half = call % SLOTS, call % (1 << TAG_BITS), 1 << (TAG_BITS - 1)
         rows: list[list[int] | None] = [None] * self.world_size
-        pause, deadline = 20e-6, None
+        pause, deadline, looked = 20e-6, None, time.monotonic()
         while True:
             for r in range(self.world_size):
                 if rows[r] is None:
@@ -141,6 +155,12 @@ class SharedBoard:
                 missing = [r for r, row in enumerate(rows) if row is None]
                 raise TimeoutError(f"ranks {missing} did not announce unit collective {call} within "
                                    f"{self.timeout_s:.0f} s (the process group's default timeout)")
+            if self.pids is not None and now - looked > LIVENESS_S:
+                looked = now
+                for r, row in enumerate(rows):
+                    if row is None and _ended(self.pids[r]):
+                        raise DistNetworkError(f"rank {r} (process {self.pids[r]} on this host) ended before it "
+                                               f"announced unit collective {call}: it exited or was killed")
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
 
@@ -199,3 +219,21 @@ def _map(path: str, nbytes: int, number: int) -> mmap.mmap | None:
         memory.close()
         return None
     return memory
+
+
+def _pid_namespace() -> int:
+    """This process's process-id namespace (the inode of ``/proc/self/ns/pid``), 0 where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` of this namespace is gone or a zombie (killed, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in (b"Z", b"X")

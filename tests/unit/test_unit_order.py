@@ -5,10 +5,13 @@ and test_plain_step_work.py)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
+from torch.distributed import DistNetworkError
 
 from lightning_zero.sharding import unit_order
 from lightning_zero.sharding.unit_order import SLOTS, TAG_BITS, SharedBoard, pack, unpack
@@ -83,7 +86,10 @@ class _TwoRanks:
         self.peer_ok = peer_ok
 
     def exchange(self, values):
-        return [list(values), [0] if len(values) == 1 and values[0] > 1 else [self.peer_ok]]
+        if len(values) == 1:  # the board's number: rank 0's
+            return [list(values), [0]]
+        ok, _, namespace = values
+        return [list(values), [self.peer_ok, 1, namespace]]
 
 
 @pytest.mark.parametrize("peer_ok", [1, 0], ids=["every-rank-mapped", "a-rank-elsewhere"])
@@ -93,4 +99,18 @@ def test_opening_uses_the_board_only_if_every_rank_mapped_it_and_leaves_no_file(
     assert (board is not None) == bool(peer_ok)
     assert list(tmp_path.iterdir()) == []
     if board is not None:
+        assert board.pids == [os.getpid(), 1]  # one namespace of process ids: liveness is checked
         board.close()
+
+
+def test_a_rank_whose_process_ended_is_named_while_waiting(boards) -> None:
+    # A killed peer closes nothing the board sees: the waiting rank looks at the processes it waits for.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    zero, _ = boards
+    zero.pids = [os.getpid(), gone.pid]
+    started = time.perf_counter()
+    with pytest.raises(DistNetworkError, match=rf"rank 1 \(process {gone.pid} on this host\) ended before it "
+                                               "announced unit collective 1"):
+        zero.exchange([0, 1, 1])
+    assert time.perf_counter() - started < 0.4  # within a few LIVENESS_S, not the timeout
