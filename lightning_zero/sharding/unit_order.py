@@ -39,7 +39,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from torch.distributed import DistNetworkError, default_pg_timeout
 
 from lightning_zero.sharding.collectives import Collectives
@@ -96,8 +95,8 @@ class SharedBoard:
         self._memory = memory
         #: Each rank's process id, where they all share this process's namespace of them (else ``None``).
         self.pids = list(pids) if pids is not None else None
-        self._words = np.frombuffer(memory, dtype=np.int64, count=world_size * SLOTS, offset=8).reshape(world_size,
-                                                                                                          SLOTS)
+        #: The rows, rank-major: word ``slot`` of rank ``r``'s row is ``_words[r * SLOTS + slot]``.
+        self._words = memoryview(memory)[8 : 8 + world_size * SLOTS * 8].cast("q")
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._calls = 0
 
@@ -126,7 +125,7 @@ class SharedBoard:
     def exchange_async(self, values: Sequence[int]) -> Posted:
         """Announce ``values`` (kind, unit, count of the step) as this rank's next exchange."""
         self._calls += 1
-        self._words[self.rank, self._calls % SLOTS] = pack(self._calls, values)
+        self._words[self.rank * SLOTS + self._calls % SLOTS] = pack(self._calls, values)
         return Posted(self, self._calls)
 
     def exchange(self, values: Sequence[int]) -> list[list[int]]:
@@ -140,7 +139,7 @@ class SharedBoard:
         while True:
             for r in range(self.world_size):
                 if rows[r] is None:
-                    theirs, values = unpack(int(self._words[r, slot]))
+                    theirs, values = unpack(self._words[r * SLOTS + slot])
                     if theirs == tag:
                         rows[r] = values
                     elif 0 < (theirs - tag) % (1 << TAG_BITS) < half:
@@ -165,7 +164,7 @@ class SharedBoard:
             pause = min(2 * pause, 1e-3)
 
     def close(self) -> None:
-        self._words = None
+        self._words.release()
         self._memory.close()
 
 
