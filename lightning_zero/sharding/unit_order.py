@@ -8,22 +8,23 @@ Python call into c10d, a hand-over to gloo's worker thread and back, a message e
 10.6M-parameter GPT, the M-2 benchmark), 9% of a zero3 step's CPU time and 11% of its wall time. Ranks on one host
 can instead write to and read from one memory: a file in ``/dev/shm`` that every rank of the group maps, one row of
 ``SLOTS`` 64-bit words per rank. A rank's ``c``-th announcement goes into word ``c % SLOTS`` of its row, as one
-aligned 64-bit store (which no reader sees half-written, on x86-64 and ARM64 alike): ``c`` modulo ``2**TAG_BITS`` in the
-high bits, then the kind, the unit and the count of the step. Reading the ``c``-th exchange is reading word
-``c % SLOTS`` of every row until each holds tag ``c``: the same pairing by call order an all-gather makes, so the check
-reasons about it unchanged. A rank cannot get ``SLOTS`` announcements ahead of another: it waits on the gathers it
-issues, which need the other's; a word found more than half the tag range ahead says the rows were overrun, and
-raises. Waiting sleeps, in steps growing from 20 microseconds to a millisecond (a rank waits only where another has
-not announced yet); it runs Python throughout, so the watchdog's error reaches it, and it
-gives up after the process group's default timeout, naming the ranks that never announced. A peer that died (killed,
-out of memory) closes no connection the board would see, where gloo's collective would have failed at once ("Connection
-reset by peer", which the watchdog turns into an error naming the rank within a probe): so while it waits, every
-``LIVENESS_S`` the board looks whether the processes it waits for still run (``/proc/PID``, the ranks' process ids
-swapped at opening, checked only where every rank sees the same process-id namespace), and raises a
-``DistNetworkError`` naming the rank that ended, which the watchdog treats as gloo's error. It sleeps at once rather
-than spinning first: on 2 busy cores a rank that spun (64 ``sched_yield`` calls before the first sleep) took the core
-from its own gloo thread, whose transfer it was waiting for (M-2, 6 rounds: 385 ms a step spinning, 341 sleeping at
-once, 377 with the check off).
+aligned 64-bit store (which no reader sees half-written, on x86-64 and ARM64 alike): ``c`` modulo ``2**TAG_BITS`` in
+the high bits, then the kind, the unit and the count of the step. Reading the ``c``-th exchange is reading word
+``c % SLOTS`` of every row until each holds tag ``c``: the same pairing by call order an all-gather makes, so the
+check reasons about it unchanged. A rank cannot get ``SLOTS`` announcements ahead of another: it waits on the gathers
+it issues, which need the other's; a word found more than half the tag range ahead says the rows were overrun, and
+raises.
+
+A rank waits only where another has not announced yet. It sleeps, in steps growing from 20 microseconds to a
+millisecond, at once rather than spinning first: on 2 busy cores a rank that spun (64 ``sched_yield`` calls before the
+first sleep) took the core from its own gloo thread, whose transfer it was waiting for (M-2, 6 rounds: 385 ms a step
+spinning, 341 sleeping at once, 377 with the check off). It runs Python throughout, so the watchdog's error reaches
+it, and it gives up after the process group's default timeout, naming the ranks that never announced. A peer that
+died (killed, out of memory) closes no connection the board would see, where gloo's collective would have failed at
+once ("Connection reset by peer", which the watchdog turns into an error naming the rank within a probe): so every
+``LIVENESS_S`` of waiting the board looks whether the processes it waits for still run (``/proc/PID``, the ranks'
+process ids swapped at opening, checked only where every rank sees the same process-id namespace), and raises a
+``DistNetworkError`` naming the rank that ended, which the watchdog treats as gloo's error.
 
 Opening is collective over the control channel: group rank 0 creates the file under a random name and writes that
 name's number in the file's first word, every rank maps it and checks the number, and the board is used only if every
@@ -135,7 +136,7 @@ class SharedBoard:
         """Every rank's values of exchange ``call``, in rank order, once every rank has announced it."""
         slot, tag, half = call % SLOTS, call % (1 << TAG_BITS), 1 << (TAG_BITS - 1)
         rows: list[list[int] | None] = [None] * self.world_size
-        pause, deadline, looked = 20e-6, None, time.monotonic()
+        pause, deadline, looked = 20e-6, None, None  # the clock is read only once a read has to wait
         while True:
             for r in range(self.world_size):
                 if rows[r] is None:
@@ -149,7 +150,7 @@ class SharedBoard:
                 return rows
             now = time.monotonic()
             if deadline is None:
-                deadline = now + self.timeout_s
+                deadline, looked = now + self.timeout_s, now
             elif now > deadline:
                 missing = [r for r, row in enumerate(rows) if row is None]
                 raise TimeoutError(f"ranks {missing} did not announce unit collective {call} within "
