@@ -49,14 +49,16 @@ HandOut = Callable[[ParamShard, Tensor], Tensor]
 
 class GradHooks:
     """A post-accumulate-grad hook on every parameter that requires a gradient, calling ``on_ready(shard)``, and, if
-    given, a hook calling ``on_arriving(shard)`` as each gradient is computed, before it is accumulated.
+    given, a hook calling ``on_arriving(shard, grad)`` as each gradient is computed, before it is accumulated: what it
+    returns, if not ``None``, is accumulated instead of ``grad``.
 
     torch only hooks tensors that require a gradient, and a frozen parameter may be unfrozen later (``BaseFinetuning``,
     ``toggle_optimizer``): ``cover`` is called again before every backward and hooks the newly trainable ones.
     """
 
     def __init__(
-        self, on_ready: Callable[[ParamShard], None], on_arriving: Callable[[ParamShard], None] | None = None
+        self, on_ready: Callable[[ParamShard], None],
+        on_arriving: Callable[[ParamShard, Tensor], Tensor | None] | None = None,
     ) -> None:
         self.on_ready = on_ready
         self.on_arriving = on_arriving
@@ -67,7 +69,7 @@ class GradHooks:
             if shard not in self._handles and shard.param.requires_grad:
                 handles = [shard.param.register_post_accumulate_grad_hook(_calling(self.on_ready, shard))]
                 if self.on_arriving is not None:
-                    handles.append(shard.param.register_hook(_calling(self.on_arriving, shard)))
+                    handles.append(shard.param.register_hook(partial(self.on_arriving, shard)))
                 self._handles[shard] = handles
 
     def remove(self) -> None:
@@ -107,10 +109,14 @@ class GradShards:
     Lightning's default, drops them every step, and autograd allocated them again in the next backward. That sent
     tens of MB through the host allocator each step, and glibc's heap kept more of it than it returned: on the long
     sequence (M-seq1024-2) zero1's training peak RSS read 470-490 MB per rank, against 429-437 MB with the gradients
-    kept (BENCHMARKS.md findings). So a dropped full gradient is kept as a spare and lent back, zeroed
-    (``lend_spare``), as the next gradient of its parameter arrives, just before autograd accumulates it; a parameter
-    that gets no gradient keeps ``None``, as before. As with DDP's ``gradient_as_bucket_view``, a reference to an old
-    ``param.grad`` kept past ``zero_grad`` sees the next step's gradient.
+    kept (BENCHMARKS.md findings). So a dropped full gradient is kept as a spare and lent back as the next gradient of
+    its parameter arrives (``lend_spare``): the arriving gradient is copied into it, and autograd, which takes a
+    gradient it alone holds as ``param.grad`` without a copy, keeps the spare; the arriving one is freed at once, as
+    any temporary of the backward. (Lending it zeroed for autograd to add into took two passes over the gradients
+    more than this one, a zeroing and an addition that reads twice: 272 against 262 ms of CPU a step per rank at M-2,
+    both in one run.) A
+    parameter that gets no gradient keeps ``None``, as before. As with DDP's ``gradient_as_bucket_view``, a reference
+    to an old ``param.grad`` kept past ``zero_grad`` sees the next step's gradient.
     """
 
     def __init__(self, world_size: int, keep_full_grads: bool, storage: ShardStorage | None = None,
@@ -140,13 +146,20 @@ class GradShards:
         self._given.clear()
         self._shown.clear()
 
-    def lend_spare(self, shard: ParamShard) -> None:
-        """Stage 1, as a gradient of ``shard``'s parameter arrives: if the parameter has none, give it its dropped
-        full gradient, zeroed, to accumulate into (see [Note: stage 1 reuses its full gradients' memory])."""
-        spare = self._spare.pop(shard, None)
-        param = shard.param
-        if spare is not None and param.grad is None and spare.shape == param.shape and spare.dtype == param.dtype:
-            param.grad = spare.zero_()
+    def lend_spare(self, shard: ParamShard, grad: Tensor) -> Tensor | None:
+        """Stage 1, as ``grad`` arrives for ``shard``'s parameter: if the parameter has no gradient, its dropped full
+        gradient holding a copy of ``grad``, for autograd to take as ``param.grad`` (see [Note: stage 1 reuses its
+        full gradients' memory]); ``None`` leaves ``grad`` to autograd."""
+        spare = self._spare.get(shard)
+        if (spare is None or shard.param.grad is not None or torch.is_grad_enabled()  # create_graph: autograd's way
+                or spare.shape != grad.shape or spare.dtype != grad.dtype):
+            return None
+        del self._spare[shard]
+        # A tensor of its own on the spare's memory: autograd takes a gradient without a copy only if nothing else
+        # holds it, and user code may still hold the old ``param.grad``.
+        lent = spare.detach()
+        del spare
+        return lent.copy_(grad)
 
     def _full_holding(self, shard: ParamShard, full: Tensor, rows: Tensor) -> Tensor:
         """Stage 1: the full gradient whose own rows are ``N`` times the reduced rows and whose other rows are zero,
