@@ -114,9 +114,9 @@ class GradShards:
     gradient it alone holds as ``param.grad`` without a copy, keeps the spare; the arriving one is freed at once, as
     any temporary of the backward. (Lending it zeroed for autograd to add into took two passes over the gradients
     more than this one, a zeroing and an addition that reads twice: 272 against 262 ms of CPU a step per rank at M-2,
-    both in one run.) A
-    parameter that gets no gradient keeps ``None``, as before. As with DDP's ``gradient_as_bucket_view``, a reference
-    to an old ``param.grad`` kept past ``zero_grad`` sees the next step's gradient.
+    both in one run.) A parameter that gets no gradient keeps ``None``, as before. As with DDP's
+    ``gradient_as_bucket_view``, a reference to an old ``param.grad`` kept past ``zero_grad`` sees the next step's
+    gradient.
     """
 
     def __init__(self, world_size: int, keep_full_grads: bool, storage: ShardStorage | None = None,
