@@ -139,6 +139,8 @@ def main(argv=None) -> int:
                                                        "per approach, bf16-mixed, step time, tokens/s, TFLOPS, MFU, "
                                                        "peak GPU memory")
     ap.add_argument("--gpu-size", default="1.3B", help="model size of --gpu: 1.3B (default) or tiny (runs on CPU)")
+    ap.add_argument("--gpu-profile", default="", help="with --gpu: a folder for each approach's torch.profiler "
+                    "tables of 2 more steps after the timed ones")
     ap.add_argument("--gpu-approaches", default="", help="comma list of --gpu approaches (default: all)")
     ap.add_argument("--gpu-peak-tflops", type=float, default=None, help="peak TFLOPS MFU is measured against "
                                                                          "(default: 989, an H200's dense bf16)")
@@ -224,6 +226,9 @@ def run_gpu(args, argv) -> int:
               f"{', '.join(gpu.APPROACHES)}; sizes {', '.join(gpu.SIZES)}", file=sys.stderr)
         return 2
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    if args.gpu_profile:
+        os.makedirs(args.gpu_profile, exist_ok=True)
+        env["ZBENCH_GPU_PROFILE"] = os.path.abspath(args.gpu_profile)
     started = time.time()
     results = gpu.run_all(names, args.gpu_size, args.python, args.timeout, env)
     peak = args.gpu_peak_tflops or gpu.PEAK_TFLOPS

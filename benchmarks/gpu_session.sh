@@ -14,11 +14,14 @@
 #    optimizer) against DDP on NCCL.
 # 3. tests/gpu/test_offload.py: optimizer offload to the host, parameter offload and disk offload, NCCL issued,
 #    against the same stage without offload at every step (and stage 3's three modes bitwise against one another).
-# 4. compare.py --gpu (skipped with BENCH=0): the one-GPU table (single device, zero1/2/3, zero3 with its
+# 4. compare.py --gpu: the one-GPU table (single device, zero1/2/3, zero3 with its
 #    collectives issued, FSDP2 and DeepSpeed ZeRO-3 through Lightning) at SIZE (default the 1.3B GPT), written to
 #    $OUT/gpu.json and $OUT/GPU.md.
 #
-# Time limits per step (seconds): TESTS_S (240), OFFLOAD_S (180), BENCH_S (360).
+#    GPU_APPROACHES=single,zero1 runs only those; PROFILE=1 also writes each approach's torch.profiler tables of two
+#    more steps to $OUT/profiles (zbench/gpu.py).
+#
+# Time limits per step (seconds): TESTS_S (240), OFFLOAD_S (180), BENCH_S (360); a limit of 0 skips the step.
 #
 # Back on the development machine: copy gpu.json to benchmarks/results/gpu.json and re-render BENCHMARKS.md with
 # `python benchmarks/compare.py --report-only benchmarks/results/full.json`, which fills the one-GPU goal rows.
@@ -44,16 +47,18 @@ torch.cuda.get_device_name() if cuda else '')"
 
 status=0
 # Each step's whole log is written under $OUT; its last lines are printed.
-timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py \
-  tests/gpu/test_user_code_cuda.py >"$OUT/tests_gpu.txt" 2>&1 || status=1
-tail -25 "$OUT/tests_gpu.txt"
-timeout "${OFFLOAD_S:-180}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_offload.py \
-  >"$OUT/tests_gpu_offload.txt" 2>&1 || status=1
-tail -25 "$OUT/tests_gpu_offload.txt"
-if [ "${BENCH:-1}" != 0 ]; then
-  timeout "${BENCH_S:-360}" "$PY" benchmarks/compare.py --gpu --gpu-size "$SIZE" --results "$OUT/gpu.json" \
-    --out "$OUT/GPU.md" >"$OUT/compare_gpu.txt" 2>&1 || status=1
-  tail -30 "$OUT/compare_gpu.txt"
-fi
+step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: skip it) into $OUT/LOG
+  local limit=$1 log=$2
+  shift 2
+  [ "$limit" = 0 ] && return
+  timeout "$limit" "$@" >"$OUT/$log" 2>&1 || status=1
+  tail -25 "$OUT/$log"
+}
+step "${TESTS_S:-240}" tests_gpu.txt "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py \
+  tests/gpu/test_user_code_cuda.py
+step "${OFFLOAD_S:-180}" tests_gpu_offload.txt "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_offload.py
+step "${BENCH_S:-360}" compare_gpu.txt "$PY" benchmarks/compare.py --gpu --gpu-size "$SIZE" \
+  --results "$OUT/gpu.json" --out "$OUT/GPU.md" ${GPU_APPROACHES:+--gpu-approaches "$GPU_APPROACHES"} \
+  ${PROFILE:+--gpu-profile "$OUT/profiles"}
 echo "gpu_session: exit $status (results in $OUT)"
 exit $status

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -83,31 +84,38 @@ def run_one(name: str, size: GpuSize) -> dict:
     settle_mkl_dispatch()  # every approach, not only lightning_zero's: see lightning_zero/host_math.py
     cuda = torch.cuda.is_available()
     times: list[float] = []
+    profile_dir = os.environ.get("ZBENCH_GPU_PROFILE")  # then PROFILE_STEPS more steps run under torch.profiler
+    timed_steps = size.warmup + size.steps
 
     class Clock(pl.Callback):
         reads_parameters = False
+        profiler = None
 
         def on_train_batch_start(self, *_args) -> None:
             if cuda:
                 torch.cuda.synchronize()
+            if profile_dir and len(times) == timed_steps:
+                self.profiler = _start_profiler(cuda)
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, *_args) -> None:
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
+            if self.profiler is not None and len(times) == timed_steps + PROFILE_STEPS:
+                _write_profile(self.profiler, os.path.join(profile_dir, f"{name}.txt"), cuda, times[timed_steps:])
 
     pl.seed_everything(0, verbose=False)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = pl.Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, strategy=_strategy(name), precision="bf16-mixed",
-        max_steps=size.warmup + size.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=timed_steps + (PROFILE_STEPS if profile_dir else 0), logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[Clock()],
     )
     module = _lightning_module(name, size, cuda)
     trainer.fit(module)
-    timed = times[size.warmup:]
+    timed = times[size.warmup:timed_steps]
     step = statistics.median(timed)
     flops = size.flops_per_step()
     return dict(
@@ -117,6 +125,30 @@ def run_one(name: str, size: GpuSize) -> dict:
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, steps=len(timed),
         final_loss=module.losses[-1] if module.losses else math.nan,
     )
+
+
+#: Steps profiled after the timed ones when ``ZBENCH_GPU_PROFILE`` names a folder (``compare.py --gpu-profile``).
+PROFILE_STEPS = 2
+
+
+def _start_profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    profiler = profile(activities=activities, record_shapes=False, with_stack=False)
+    profiler.__enter__()
+    return profiler
+
+
+def _write_profile(profiler, path: str, cuda: bool, step_s: list[float]) -> None:
+    """The profiled steps' op tables, by device time and by host time: where an approach's step differs from the
+    single device's."""
+    profiler.__exit__(None, None, None)
+    averages = profiler.key_averages()
+    with open(path, "w") as f:
+        f.write(f"{PROFILE_STEPS} profiled steps, ms: {[round(t * 1e3, 1) for t in step_s]}\n\n")
+        for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+            f.write(f"sorted by {key}\n{averages.table(sort_by=key, row_limit=40, max_name_column_width=80)}\n")
 
 
 def _strategy(name: str):

@@ -293,14 +293,24 @@ def _same_memory(a: Tensor, b: Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.device == b.device
 
 
+#: Elements compared at once by ``_adopt_changed_elements`` (its transients: 3 bytes an element).
+_ADOPT_PIECE = 1 << 24
+
+
 def _adopt_changed_elements(destination: Tensor, rows: Tensor) -> None:
     """Where ``rows`` (what the parameter holds) differs from ``destination`` as the runtime last wrote it (cast to
     the parameter's dtype), ``destination`` takes the new value; the other elements keep theirs (an fp32 master keeps
     its precision where a 16-bit parameter was not touched). Rows on another device (an offloaded master on the host,
     when the parameter is on a GPU) are copied over first."""
     rows = rows.to(destination.device)
-    same = rows == destination.to(rows.dtype)
-    destination.copy_(torch.where(same, destination, rows.to(destination.dtype)))
+    pairs = [(destination, rows)]
+    if destination.is_contiguous() and rows.is_contiguous():  # pieces: the transients stay small
+        pairs = zip(destination.view(-1).split(_ADOPT_PIECE), rows.reshape(-1).split(_ADOPT_PIECE))
+    narrower = torch.promote_types(rows.dtype, destination.dtype) != destination.dtype
+    for kept, now in pairs:
+        # Two passes (the cast and compare, the select written in place): the check runs on every parameter of a
+        # mixed-precision step, and a select into a new tensor copied back cost twice the memory traffic.
+        torch.where(now == kept.to(now.dtype), kept, now.to(kept.dtype) if narrower else now, out=kept)
 
 
 def clean_name(name: str) -> str:
