@@ -150,3 +150,24 @@ def test_shards_of_frozen_parameters_are_frozen_views() -> None:
     assert weight.trainable and weight.local.shape == (2, 6)
     assert not bias.trainable
     assert weight.local.data_ptr() == module.weight[2:].data_ptr()
+
+
+@pytest.mark.parametrize("piece", [None, 7])
+@pytest.mark.parametrize("kept_dtype,param_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_adopting_edits_takes_exactly_the_changed_elements(monkeypatch, piece, kept_dtype, param_dtype) -> None:
+    # The step's check of user writes (ParamShard.adopt_edits, mixed precision): an element the parameter holds as
+    # the runtime wrote it keeps the master's value (its fp32 precision); a changed one takes the parameter's. Done
+    # in pieces of _ADOPT_PIECE elements, in place; a wider parameter than the destination is narrowed.
+    from lightning_zero.sharding import flat_param
+
+    if piece is not None:
+        monkeypatch.setattr(flat_param, "_ADOPT_PIECE", piece)
+    kept = torch.randn(6, 5, dtype=torch.float64).to(kept_dtype)
+    before = kept.clone()
+    rows = kept.to(param_dtype)
+    rows[1, 2], rows[4, 0] = 3.0, -2.0
+    storage = kept.data_ptr()
+    flat_param._adopt_changed_elements(kept, rows)
+    want = before.clone()
+    want[1, 2], want[4, 0] = 3.0, -2.0
+    assert torch.equal(kept, want) and kept.data_ptr() == storage
