@@ -152,7 +152,7 @@ class GradShards:
         full gradients' memory]); ``None`` leaves ``grad`` to autograd."""
         spare = self._spare.get(shard)
         if (spare is None or shard.param.grad is not None or torch.is_grad_enabled()  # create_graph: autograd's way
-                or spare.shape != grad.shape or spare.dtype != grad.dtype):
+                or spare.shape != grad.shape or spare.dtype != grad.dtype or grad.layout != torch.strided):
             return None
         del self._spare[shard]
         # A tensor of its own on the spare's memory: autograd takes a gradient without a copy only if nothing else
