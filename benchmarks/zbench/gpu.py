@@ -110,8 +110,8 @@ def run_one(name: str, size: GpuSize) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer = pl.Trainer(
         accelerator="cuda" if cuda else "cpu", devices=1, strategy=_strategy(name), precision="bf16-mixed",
-        max_steps=timed_steps + (PROFILE_STEPS if profile_dir else 0), logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[Clock()],
+        max_steps=timed_steps + (PROFILE_STEPS if profile_dir else 0), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()],
     )
     module = _lightning_module(name, size, cuda)
     trainer.fit(module)
