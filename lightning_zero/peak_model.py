@@ -32,8 +32,8 @@ zero3 (4Ψ/N) hid the backward's reductions, and host offload, whose workspace i
 without them (zero3_offload's steady step, BENCHMARKS.md). Disk offload's sub-group buffers are the update's too
 (allocated for the step's update, freed after it): counted as held, they put zero3_offload_disk's predicted peak at
 1.08-1.10x the measured one (tests/distributed/test_peak_estimate.py), 1.01x as the update's. Stages 1 and 2 keep the
-sum: their reductions are
-bounded by ``bucket_mb``, and their full gradients (stage 1) or the last buckets' (stage 2) are held into the step.
+sum: their reductions are bounded by ``bucket_mb``, and their full gradients (stage 1) or the last buckets' (stage 2)
+are held into the step.
 
 Setup adds to the eager model what it allocates: DDP its gradient buckets, stage 3 the parameter shards and one
 unit, offload the fp32 masters. Memory freed after a step stays with the process (glibc's heap on a CPU, the

@@ -11,9 +11,10 @@ one of four ways, all leading to one error that names the rank at fault:
   ``failure`` key (the first writer wins, so every rank reports the same root cause).
 - A rank dies (SIGKILL, out of memory, a crash, a whole node killed): on gloo the survivors' next collective raises
   at once ("Connection reset by peer", measured: 0.02 s, naming an address, not a rank; zero3 ranks waiting at the
-  unit-order board of one host find its process gone within ``LIVENESS_S``: see sharding/unit_order.py). ``on_exception`` sees that
-  the error is a communication error and probes the peers (see [Note: probing the peers]): within ``PROBE_S`` it
-  knows which ranks no longer answer, publishes them, and adds a note (PEP 678) to the exception naming them.
+  unit-order board of one host find its process gone within ``LIVENESS_S``: see sharding/unit_order.py).
+  ``on_exception`` sees that the error is a communication error and probes the peers
+  (see [Note: probing the peers]): within ``PROBE_S`` it knows which ranks no longer answer, publishes them, and
+  adds a note (PEP 678) to the exception naming them.
   Lightning then re-raises the exception, note included.
 - A rank or its machine goes silent without closing its connections (a node lost, a process stopped, the GIL held
   by C code): the survivors stay blocked in their collective; the thread sees the counter stand still for

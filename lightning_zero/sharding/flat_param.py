@@ -305,7 +305,7 @@ def _adopt_changed_elements(destination: Tensor, rows: Tensor) -> None:
     rows = rows.to(destination.device)
     pairs = [(destination, rows)]
     if destination.is_contiguous() and rows.is_contiguous():  # pieces: the transients stay small
-        pairs = zip(destination.view(-1).split(_ADOPT_PIECE), rows.reshape(-1).split(_ADOPT_PIECE))
+        pairs = zip(destination.view(-1).split(_ADOPT_PIECE), rows.view(-1).split(_ADOPT_PIECE))
     narrower = torch.promote_types(rows.dtype, destination.dtype) != destination.dtype
     for kept, now in pairs:
         # Two passes (the cast and compare, the select written in place): the check runs on every parameter of a

@@ -157,9 +157,7 @@ class GradShards:
         del self._spare[shard]
         # A tensor of its own on the spare's memory: autograd takes a gradient without a copy only if nothing else
         # holds it, and user code may still hold the old ``param.grad``.
-        lent = spare.detach()
-        del spare
-        return lent.copy_(grad)
+        return spare.detach().copy_(grad)
 
     def _full_holding(self, shard: ParamShard, full: Tensor, rows: Tensor) -> Tensor:
         """Stage 1: the full gradient whose own rows are ``N`` times the reduced rows and whose other rows are zero,
