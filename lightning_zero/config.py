@@ -46,7 +46,8 @@ class CommConfig:
         inplace_mb: stages 1 and 2: a parameter of at least this many MiB whose rows split evenly across the ranks is
             reduced and gathered in its own storage, in a collective of its own, instead of being packed into a
             bucket buffer (no second copy of it, no packing copies, as ``DistributedDataParallel``'s gradient bucket
-            views); ``None`` packs every parameter (fewer, larger collectives).
+            views); ``None`` packs every parameter. 4 MiB: on gloo a collective costs ~1.5 ms of a rank's CPU, a
+            4 MiB copy ~0.4 ms (docs/benchmarks/analysis.md, "How large a parameter is reduced in place").
         reduce_dtype: dtype gradients are reduced and their shards kept in: ``None`` (default) uses the working
             dtype (fp32, or bf16/fp16 under mixed precision), as the ZeRO paper's memory figures and DeepSpeed and
             FSDP2 do, halving gradient traffic; ``"fp32"`` sums 16-bit gradients in fp32 for accuracy at twice the
@@ -69,12 +70,11 @@ class CommConfig:
             payloads (one fp32 scale per 4096 elements) in two all-to-alls, inside the node then across nodes,
             dequantized before each fp32 sum (quantized_collectives.py, [Note: the quantized reduce-scatter]): int4
             sends about 1/8 of fp32's bytes; with offload the reduced shards go where offload keeps them, as
-            unquantized ones do.
-            ``None`` (default) reduces in full precision.
+            unquantized ones do. ``None`` (default) reduces in full precision.
     """
 
     bucket_mb: float = 25.0
-    inplace_mb: float | None = 1.0
+    inplace_mb: float | None = 4.0
     reduce_dtype: str | None = None
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True

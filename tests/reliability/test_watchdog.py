@@ -60,7 +60,8 @@ def test_a_silent_peer_fails_this_rank_after_the_failure_timeout(pair) -> None:
     with pytest.raises(PeerFailure, match=r"rank 1 sent no heartbeat for 1\.\d s \(failure_timeout_s=1\)") as caught:
         _busy(10.0)
     ours.on_exception(caught.value)
-    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 3 * HEARTBEAT_S
+    # 5 heartbeats of slack: the detecting thread shares the GIL with _busy and the cores with the rest of the suite
+    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 5 * HEARTBEAT_S
 
 
 def test_a_peer_that_stopped_cleanly_is_never_taken_for_failed(pair) -> None:
