@@ -46,8 +46,8 @@ class CommConfig:
         inplace_mb: stages 1 and 2: a parameter of at least this many MiB whose rows split evenly across the ranks is
             reduced and gathered in its own storage, in a collective of its own, instead of being packed into a
             bucket buffer (no second copy of it, no packing copies, as ``DistributedDataParallel``'s gradient bucket
-            views); ``None`` packs every parameter. 4 MiB: on gloo a collective costs ~1.5 ms of a rank's CPU, a
-            4 MiB copy ~0.4 ms (docs/benchmarks/analysis.md, "How large a parameter is reduced in place").
+            views); ``None`` packs every parameter. 4 MiB: on gloo a collective costs ~1 ms of a rank's CPU, a
+            4 MiB copy ~0.3 ms (docs/benchmarks/analysis.md, "How large a parameter is reduced in place").
         reduce_dtype: dtype gradients are reduced and their shards kept in: ``None`` (default) uses the working
             dtype (fp32, or bf16/fp16 under mixed precision), as the ZeRO paper's memory figures and DeepSpeed and
             FSDP2 do, halving gradient traffic; ``"fp32"`` sums 16-bit gradients in fp32 for accuracy at twice the
