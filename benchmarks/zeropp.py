@@ -78,15 +78,22 @@ QUANT_BLOCK = 4096  # qwZ's elements per fp32 scale (sharding/quantize.py)
 @dataclass(frozen=True)
 class Sizes:
     """Parameter counts of the model: ``units`` in the Blocks (stage 3's units), ``root`` the rest (tied embedding,
-    positions, final norm), gathered once a step; ``b`` bytes an element."""
+    positions, final norm), gathered once a step; ``last`` in the last Block, which stage 3 keeps gathered from its
+    forward to its backward (0 in results measured before it did); ``b`` bytes an element."""
 
     units: int
     root: int
     b: int = 4
+    last: int = 0
 
     @property
     def psi(self) -> int:
         return self.units + self.root
+
+    @property
+    def gathered(self) -> int:
+        """Elements stage 3 gathers a step: the Blocks in forward and again in backward, but the last; the root once."""
+        return 2 * self.units - self.last + self.root
 
 
 #: Of the model's bytes, the share a rank sends across nodes per all-gather at 2 nodes x 2: the gathers run node by
@@ -104,9 +111,9 @@ def _zero12(s: Sizes, ag: float) -> float:
 
 def _zero3(s: Sizes, ag: float, gather_bytes: float | None = None) -> float:
     """Flat ZeRO-3: the units gathered twice (forward and backward, at ``gather_bytes`` an element: b unless qwZ)
-    and reduced once, the root gathered once and reduced once."""
+    but the last, and reduced once, the root gathered once and reduced once."""
     gather = s.b if gather_bytes is None else gather_bytes
-    return ag * gather * (2 * s.units + s.root) + RS_SHARE * s.psi * s.b
+    return ag * gather * s.gathered + RS_SHARE * s.psi * s.b
 
 
 def _replica_allreduce(s: Sizes, ag: float) -> float:
@@ -154,7 +161,7 @@ class Config:
 CONFIGS = [
     Config("zero1", "ZeRO-1 flat", "lz", dict(stage=1), "RS + AG: b Psi (1/4 + a)", _zero12, "2.0 Psi b"),
     Config("zero2", "ZeRO-2 flat", "lz", dict(stage=2), "b Psi (1/4 + a)", _zero12, "2.0 Psi b"),
-    Config("zero3", "ZeRO-3 flat", "lz", dict(stage=3), "b (a (2 Psi_u + Psi_r) + Psi/4)", _zero3, "3.0 Psi b"),
+    Config("zero3", "ZeRO-3 flat", "lz", dict(stage=3), "b (a (2 Psi_u - Psi_l + Psi_r) + Psi/4)", _zero3, "3.0 Psi b"),
     Config("zero1_hybrid", "ZeRO-1 hybrid (shard_group_size=2)", "lz", dict(stage=1, shard_group_size=NODE),
            "b Psi/2: replica all-reduce of the shard", _replica_allreduce, "2 (R-1)/R Psi b / K"),
     Config("zero2_hybrid", "ZeRO-2 hybrid (shard_group_size=2)", "lz", dict(stage=2, shard_group_size=NODE),
@@ -162,15 +169,15 @@ CONFIGS = [
     Config("zero3_hybrid", "ZeRO-3 hybrid (shard_group_size=2)", "lz", dict(stage=3, shard_group_size=NODE),
            "b Psi/2", _replica_allreduce, "2 (R-1)/R Psi b / K"),
     Config("zero3_qwz", "ZeRO-3 flat + qwZ (quantize_weights)", "lz", dict(stage=3, quantize_weights=True),
-           "a (1 + 4/4096)(2 Psi_u + Psi_r) + b Psi/4", lambda s, ag: _zero3(s, ag, QWZ_BYTES), "(1 + 2/b) Psi b"),
+           "a (1 + 4/4096)(2 Psi_u - Psi_l + Psi_r) + b Psi/4", lambda s, ag: _zero3(s, ag, QWZ_BYTES), "(1 + 2/b) Psi b"),
     Config("zero3_hybrid_qwz", "ZeRO-3 hybrid + qwZ", "lz", dict(stage=3, shard_group_size=NODE,
                                                                   quantize_weights=True),
            "b Psi/2", _replica_allreduce, "2 (R-1)/R Psi b / K"),
     Config("zero3_hpz", "ZeRO-3 flat + hpZ (hpz_group_size=2)", "lz", dict(stage=3, hpz_group_size=NODE),
            "b (a Psi + Psi/4)", _zero3_hpz, "2.0 Psi b"),
     Config("zero3_qgz", "ZeRO-3 flat + qgZ (quantize_grads=int4)", "lz", dict(stage=3, quantize_grads="int4"),
-           "a b (2 Psi_u + Psi_r) + (1/2 + 4/4096) Psi/4",
-           lambda s, ag: ag * s.b * (2 * s.units + s.root) + _qgz_reduce(s), "(2 + 1/(2b)) Psi b"),
+           "a b (2 Psi_u - Psi_l + Psi_r) + (1/2 + 4/4096) Psi/4",
+           lambda s, ag: ag * s.b * s.gathered + _qgz_reduce(s), "(2 + 1/(2b)) Psi b"),
     Config("zero3_zeropp", "ZeRO-3 flat + qwZ + hpZ + qgZ", "lz",
            dict(stage=3, quantize_weights=True, hpz_group_size=NODE, quantize_grads="int4"),
            "a (1 + 4/4096) Psi + (1/2 + 4/4096) Psi/4",
@@ -413,7 +420,7 @@ def sizes(model: dict) -> Sizes:
     cfg = GPTConfig(**model)
     d = cfg.d_model
     units = cfg.n_layer * (12 * d * d + 13 * d)
-    return Sizes(units=units, root=cfg.num_parameters - units)
+    return Sizes(units=units, root=cfg.num_parameters - units, last=units // cfg.n_layer)
 
 
 def measure_bytes(config: Config, model: dict, warmup: int, steps: int, workdir: str, timeout: float) -> dict:
@@ -471,8 +478,9 @@ def render_bytes(part: dict) -> list[str]:
     base_cross = statistics.fmean(base["socket_cross"]) if base else None
     lines = [
         f"{part['started']}, `{part['command']}`: {WORLD} CPU ranks over gloo as {WORLD // NODE} nodes x {NODE}, the "
-        f"small GPT (Psi = {s.psi:,} parameters: Psi_u = {s.units:,} in the Blocks, Psi_r = {s.root:,} in the "
-        f"root), fp32 (b = {s.b}), {BATCH} x {part['model']['seq_len']} tokens a rank and step; KiB a rank sends to "
+        f"small GPT (Psi = {s.psi:,} parameters: Psi_u = {s.units:,} in the Blocks, Psi_l = {s.last:,} in the last "
+        f"Block, Psi_r = {s.root:,} in the root), fp32 (b = {s.b}), {BATCH} x {part['model']['seq_len']} tokens a "
+        "rank and step; KiB a rank sends to "
         f"the other node per step, the mean over the 4 ranks of {part['steps']} steps after {part['warmup']} "
         f"warm-up steps; commit {part.get('commit') or 'unknown'}. `a`: the share of the bytes a rank sends across "
         "per all-gather, 1/4 node by node (by_node.py, [Note: hierarchical collectives]).",

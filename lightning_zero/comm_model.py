@@ -17,8 +17,9 @@ def communication_bytes(
 
     DDP all-reduces the gradients (2 Ψ_t (N-1)/N elements); zero1 and zero2 reduce-scatter the gradients and
     all-gather the updated parameters (the same 2 Ψ_t (N-1)/N); zero3 all-gathers every parameter twice (forward and
-    backward) and reduce-scatters the gradients: (2 Ψ + Ψ_t)(N-1)/N. Ψ_t counts trainable parameters: frozen ones
-    are never reduced nor re-gathered after a step. ZeRO++'s options change one term each:
+    backward) and reduce-scatters the gradients: (2 Ψ + Ψ_t)(N-1)/N (the paper's figure; the strategy moves a little
+    less, the unit the forward runs last staying gathered for its backward). Ψ_t counts trainable parameters: frozen
+    ones are never reduced nor re-gathered after a step. ZeRO++'s options change one term each:
 
     - ``quantize_weights`` (zero3's qwZ): the all-gathers move int8 codes and one fp32 scale per block of 4096,
       about ``1 + 4/4096`` bytes per element instead of ``element_bytes`` (blocks restart at each parameter: a

@@ -120,8 +120,8 @@ class Stage3Config:
             reach this many MiB.
         prefetch: how many units ahead of the one computing have their all-gather issued early; at most
             ``prefetch + 1`` gathered units are alive at once (plus, in backward, units whose gradients are pending).
-        reshard_after_forward: free a unit's parameters after its forward and gather them again for backward
-            (ZeRO-3); ``False`` keeps them from forward to backward, trading memory for one all-gather less.
+        reshard_after_forward: free a unit's parameters after its forward (but the last unit's) and gather them
+            again for backward (ZeRO-3); ``False`` keeps them, trading memory for one all-gather less.
         verify_unit_order: before each unit's collective, ranks check on a host-side channel that they move the
             same unit, so control flow that differs between ranks fails at once naming both units, instead of
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per

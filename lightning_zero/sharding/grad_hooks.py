@@ -26,13 +26,13 @@ many buckets' (or large parameters').
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_zero.config import GRAD_QUANTIZATIONS, CommConfig
@@ -372,7 +372,7 @@ class GradReducer:
         unused = [s.name for bucket, ready in zip(self._buckets, self._ready) for s, r in zip(bucket.shards, ready) if not r]
         if unused and self._started:
             self._warned_unused = True
-            warn_unused(unused)
+            warn_unused(unused, self.comms.rank)
 
     def grad_buffers(self) -> list[Tensor]:
         return self.grad_shards.buffers()
@@ -395,9 +395,12 @@ def _calling(callback: Callable[[ParamShard], None], shard: ParamShard) -> Calla
     return hook
 
 
-def warn_unused(names: list[str]) -> None:
-    rank_zero_warn(
-        f"{len(names)} parameter(s) got no gradient in a backward (e.g. {names[:3]}); they are reduced as zeros, so "
-        "the optimizer still steps them. Pass find_unused_parameters=True to skip parameters that no rank used, as "
-        "DDP does."
+def warn_unused(names: list[str], rank: int) -> None:
+    """Warned by every rank that finds parameters without a gradient (DDP raises there): one rank may skip a layer
+    the others use."""
+    warnings.warn(
+        f"rank {rank}: {len(names)} parameter(s) got no gradient in a backward (e.g. {names[:3]}); they are reduced as "
+        "zeros, so the optimizer still steps them. Pass find_unused_parameters=True to skip parameters that no rank "
+        "used, as DDP does.",
+        stacklevel=2,
     )

@@ -4,7 +4,9 @@ backward is done, prefetch the next unit.
 [Note: the life of a unit in one training step]
 forward: the pre-hook waits for the unit's all-gather (issued earlier as a prefetch, or now) and issues the next
 units', up to ``prefetch`` ahead in the order units ran in the previous step; the post-hook frees the parameters
-(``reshard_after_forward``) and hooks the outputs' gradients. backward: the first output gradient to arrive gathers
+(``reshard_after_forward``; not those of the unit that ran last in the previous step's forward, which backward reaches
+first: it stays gathered, one gather less a step, as DeepSpeed keeps parameters reused soon) and hooks the outputs'
+gradients. backward: the first output gradient to arrive gathers
 the unit again (state ``BACKWARD``) and prefetches the units backward reaches next; once the gradients of the unit's
 inputs exist (backward is through the unit) and every trainable parameter of it has its gradient accumulated, the
 unit is *done*: its gradients are reduce-scattered (one bucket per dtype) and its parameters freed. Reductions are
@@ -182,7 +184,10 @@ class ShardedParams:
             if _in_backward() or self._holding:
                 return
             needing_grad = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
-            if not torch.is_grad_enabled() or self.config.reshard_after_forward:
+            # The unit the forward ran last (in the previous step's order) is the one backward reaches first: keep
+            # it gathered rather than free it and gather it again at once (see the module's first Note).
+            kept = bool(needing_grad) and bool(self._last_order) and unit is self._last_order[-1]
+            if not torch.is_grad_enabled() or (self.config.reshard_after_forward and not kept):
                 if torch.is_grad_enabled() and needing_grad:
                     unit.keep_secondary()  # hpZ: what the backward gathers from (nothing to do without it)
                 unit.reshard()
@@ -230,7 +235,7 @@ class ShardedParams:
             grads = [s.param.grad if used is None or used[s] else None for s in bucket.shards]
             if used is None and not self._warned_unused and any(g is None for g in grads):
                 self._warned_unused = True
-                warn_unused([s.name for s, g in zip(bucket.shards, grads) if g is None])
+                warn_unused([s.name for s, g in zip(bucket.shards, grads) if g is None], self.comms.rank)
             # With find_unused_parameters: kept where any rank used it, as DDP steps a parameter one rank used.
             stored = [used is None or used[s] for s in bucket.shards]
             self._reductions.launch(bucket, grads, stored, guard=guard)

@@ -52,7 +52,7 @@ class SingleRank:
             return
         if not self._warned_unused:
             self._warned_unused = True
-            warn_unused([s.name for s in missing])
+            warn_unused([s.name for s in missing], rank=0)
         for shard in missing:
             shard.param.grad = torch.zeros_like(shard.param)
 

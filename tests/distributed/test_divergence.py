@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -34,19 +35,21 @@ from tests.models import TinyLM, make_trainer
 
 
 class SkipsABlockOnRank1(TinyLM):
-    def __init__(self, from_step: int | None) -> None:
+    def __init__(self, from_step: int | None, skipped: int = 0) -> None:
         super().__init__()
-        self.from_step = from_step
+        self.from_step, self.skipped = from_step, skipped
 
     def forward(self, tokens):
         x = self.lm["wte"](tokens) + self.lm["wpe"](torch.arange(tokens.shape[1]))
         skip = self.from_step is not None and self.global_rank == 1 and self.global_step >= self.from_step
-        for block in self.lm["blocks"][:1] if skip else self.lm["blocks"]:
+        blocks = self.lm["blocks"]
+        for block in (blocks[self.skipped + 1 :] if self.skipped == 0 else blocks[: self.skipped]) if skip else blocks:
             x = block(x)
         return self.lm["head"](self.lm["ln_f"](x))
 
 
 CHANNELS = {"board": SharedBoard, "gloo": Collectives}
+SETTLED = 3  # the first step whose unit collectives are checked beside them (see _cases)
 
 
 def _use_channel(channel: str) -> type:
@@ -73,23 +76,26 @@ def _count_exchanges(monkeypatch_target: type) -> dict[str, int]:
     return counts
 
 
-def _fit(from_step: int | None, world_size: int, steps: int) -> None:
+def _fit(from_step: int | None, world_size: int, steps: int, skipped: int = 0) -> None:
     pl.seed_everything(1, verbose=False)
     trainer = make_trainer(ZeroStrategy(stage=3, units=("Block",)), world_size, max_steps=steps, limit_val_batches=0)
-    trainer.fit(SkipsABlockOnRank1(from_step))
+    trainer.fit(SkipsABlockOnRank1(from_step, skipped))
 
 
 def _cases(rank: int, world_size: int, from_step: int, channel: str) -> None:
     counts = _count_exchanges(_use_channel(channel))
-    _fit(None, world_size, steps=5)  # no branch: the first two steps check first, the next three beside
-    per_step = counts["beside"] // 5  # every exchange goes through exchange_async, a waited one too
-    expected = {"first": 2 * per_step, "beside": 5 * per_step}
+    _fit(None, world_size, steps=5)  # no branch: the first three steps check first, the next two beside
+    # Every exchange goes through exchange_async, a waited one too. The first step has one more unit collective than
+    # the next (the last block is gathered again for backward: no step before says it runs last), so the second
+    # step's sequence differs and the third is the first that follows a repeated one.
+    per_step = (counts["beside"] - 1) // 5
+    expected = {"first": 3 * per_step + 1, "beside": 5 * per_step + 1}
     assert counts == expected and per_step > 0, f"control exchanges {counts}, expected {expected}"
     _fit(from_step, world_size, steps=4)
 
 
 @pytest.mark.parametrize("channel", list(CHANNELS))
-@pytest.mark.parametrize("from_step", [0, 2], ids=["first-step", "after-settling"])
+@pytest.mark.parametrize("from_step", [0, SETTLED], ids=["first-step", "after-settling"])
 def test_ranks_running_different_units_fail_fast_naming_both(from_step: int, channel: str) -> None:
     started = time.perf_counter()
     with pytest.raises(AssertionError) as err:
@@ -123,7 +129,7 @@ def _diverge_recording_aborts(from_step: int, world_size: int, nccl: bool, chann
 
 @pytest.mark.parametrize(
     ("from_step", "backend"),
-    [(0, "nccl"), (2, "nccl"), (2, "gloo")],
+    [(0, "nccl"), (SETTLED, "nccl"), (SETTLED, "gloo")],
     ids=["first-step-nccl", "after-settling-nccl", "after-settling-gloo"],
 )
 @pytest.mark.parametrize("channel", list(CHANNELS))
@@ -135,3 +141,29 @@ def test_under_nccl_every_rank_aborts_the_group_before_its_error_propagates(from
     )
     expected = [True] if backend == "nccl" else []
     assert results == [("ranks diverged under zero3", expected)] * 2
+
+
+def _skip_the_last_block(rank: int, world_size: int) -> tuple[str, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            _fit(1, world_size, steps=4, skipped=1)
+            raised = ""
+        except RankDivergenceError as err:
+            raised = str(err).split(":")[0]
+    return raised, [str(w.message).split(" parameter(s)")[0] for w in caught if "got no gradient" in str(w.message)]
+
+
+def test_a_rank_that_skips_the_last_unit_is_refused_a_step_later() -> None:
+    """The last block needs no collective of its own in a step that follows one where every rank ran it: the block
+    before prefetches it on every rank, and backward gathers it on none (the ranks that run it keep it gathered from
+    their forward). So in the step where one rank skips it first, the ranks' unit collectives pair up: that rank
+    reduces zeros for its parameters and warns (DDP would raise). The next step's prefetch follows the order each rank
+    ran last, which now differs, and every rank raises."""
+    model = TinyLM()
+    model.configure_model()
+    in_last_block = len(list(model.lm["blocks"][-1].parameters()))
+    assert run_on_ranks(_skip_the_last_block, 2, timeout_s=60) == [
+        ("ranks diverged under zero3", []),
+        ("ranks diverged under zero3", [f"rank 1: {in_last_block}"]),
+    ]

@@ -77,6 +77,7 @@ def _fit(stage: int, hybrid: str, precision: str = "32-true", **options) -> dict
     after_fit = flat_params(model)
     return {"losses": recorder.losses, "params": recorder.params, "norms": log.norms, "cross": log.cross,
             "total": log.total, "shapes": ([p.shape for p in blocks], [p.shape for p in root]),
+            "last_block": [p.shape for p in model.lm["blocks"][-1].parameters()],
             "after_fit": after_fit, "validate": trainer.validate(model, verbose=False)[0]["val_loss"], "held": log.held}
 
 
@@ -257,16 +258,20 @@ def test_cross_node_bytes_per_step_match_the_algorithm_model(ranks, stage: int) 
     hybrid = b * _segment(everything, K)
     norm_ring = int(2 * (3 / 4) * (1 + WORLD) * 4)
     for rank, out in enumerate(ranks):
-        if stage == 3:  # blocks gathered in forward and backward and reduced; the root unit gathered once and reduced
-            flat = b * (3 * _segment(blocks, 4) + 2 * _segment(root, 4))
+        if stage == 3:  # blocks gathered in forward and backward (but the last, kept gathered between them) and
+            # reduced; the root unit gathered once and reduced
+            last = ranks[0]["fits"][(stage, "flat")]["last_block"]
+            flat = b * (3 * _segment(blocks, 4) - _segment(last, 4) + 2 * _segment(root, 4))
         else:  # every gradient reduce-scattered, every parameter all-gathered once
             flat = b * 2 * _segment(everything, 4)
         flat_cross = out["fits"][(stage, "flat")]["cross"][1:]  # steady steps
         hybrid_cross = out["fits"][(stage, "2x2")]["cross"][1:]
         assert flat_cross == [flat + (norm_ring if rank % 2 else 0)] * (STEPS - 1), rank
         assert hybrid_cross == [hybrid] * (STEPS - 1), rank
-        # About 2/4 Psi*b (stages 1-2) or 3/4 (stage 3), against Psi*b/2.
-        assert flat_cross[0] / hybrid_cross[0] == pytest.approx(1.5 if stage == 3 else 1.0, rel=0.05)
+        # About 2/4 Psi*b (stages 1-2) or up to 3/4 (stage 3: less the last block's backward gather), against
+        # Psi*b/2.
+        ratio = flat_cross[0] / hybrid_cross[0]
+        assert 1.0 < ratio < 1.5 if stage == 3 else ratio == pytest.approx(1.0, rel=0.05)
         if stage == 3:  # bf16-mixed: 16-bit gathers and gradients (b = 2), the norm's all-reduce still fp32
             bf16 = out["bf16"]
             assert bf16["flat"][1:] == [flat // 2 + (norm_ring if rank % 2 else 0)] * (STEPS - 1), rank

@@ -23,6 +23,9 @@ WORLD, K, NODE = 4, 2, 2
 STEPS = 60
 LR = 3e-3
 GPT = GPTConfig(vocab_size=128, n_layer=2, n_head=2, d_model=64, seq_len=32)
+#: Block gathers in a steady step: each block's in forward and again in backward, but the last block's (kept
+#: gathered between them).
+BLOCK_GATHERS = 2 * GPT.n_layer - 1
 INT8 = BlockFormat(bits=8)
 
 
@@ -184,7 +187,7 @@ def ranks() -> list[dict]:
 
 @pytest.mark.parametrize("group", [None, K], ids=["flat", "2x2"])
 def test_every_gather_sends_the_int8_payloads(ranks, group) -> None:
-    """Per steady step and rank: the gathers (each block twice, in forward and backward, the root once) send ``(n -
+    """Per steady step and rank: the gathers (``BLOCK_GATHERS`` of the blocks, the root once) send ``(n -
     1)`` payloads each, the sum over the unit's parameters of ``S_p + 4 ceil(S_p / 4096)`` bytes rounded to 4
     (``S_p``: a parameter's padded rows of one rank), against ``(n - 1) 4 sum S_p`` unquantized; no gather is full
     precision, and the reductions move what the unquantized run moves."""
@@ -192,8 +195,8 @@ def test_every_gather_sends_the_int8_payloads(ranks, group) -> None:
     blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
     per_block = [p for p in blocks[: len(blocks) // GPT.n_layer]]
     s_block, s_root = _segment(per_block, n), _segment(root, n)
-    quantized = (n - 1) * (2 * GPT.n_layer * _quantized(per_block, n) + _quantized(root, n))
-    full = (n - 1) * 4 * (2 * GPT.n_layer * s_block + s_root)
+    quantized = (n - 1) * (BLOCK_GATHERS * _quantized(per_block, n) + _quantized(root, n))
+    full = (n - 1) * 4 * (BLOCK_GATHERS * s_block + s_root)
     for rank, out in enumerate(ranks):
         plain, qwz = out["gpt"][(False, None)]["bytes"][1:], out["gpt"][(True, group)]["bytes"][1:]
         for step in qwz:
@@ -230,11 +233,11 @@ def test_with_activation_checkpointing_and_without_resharding_after_forward(rank
 def test_cross_node_bytes_count_the_payloads(ranks) -> None:
     """Flat at 2 nodes x 2 on gloo: a gather runs node by node (by_node.py, [Note: hierarchical collectives]),
     each rank sending its own payload across once; so qwZ saves ``4 S - P`` across per gather (each block twice a
-    step, the root once). Hybrid: the gathers stay inside the node, as unquantized."""
+    step but the last, the root once). Hybrid: the gathers stay inside the node, as unquantized."""
     blocks, root = ranks[0]["gpt"][(False, None)]["shapes"]
     per_block = blocks[: len(blocks) // GPT.n_layer]
     saved = sum(count * (4 * _segment(shapes, WORLD) - _quantized(shapes, WORLD)) for count, shapes in
-                ((2 * GPT.n_layer, per_block), (1, root)))
+                ((BLOCK_GATHERS, per_block), (1, root)))
     for rank, out in enumerate(ranks):
         plain, qwz = out["gpt"][(False, None)]["cross"][1:], out["gpt"][(True, None)]["cross"][1:]
         assert [p - q for p, q in zip(plain, qwz)] == [saved] * len(qwz), rank

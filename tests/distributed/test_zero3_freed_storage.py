@@ -3,7 +3,8 @@ for the backward (``nn.Linear`` saves ``weight.t()``), which kept the whole gath
 forward to its backward (see [Note: how a full parameter is freed and restored], ``sharding/unit_state.py``).
 
 Every storage a full parameter is gathered into is followed by a weak reference; the bytes still held by those alive
-are counted before each backward and before each optimizer step, 2 ranks, on a stack of Linear units fed 3-d inputs.
+are counted before each backward (from the second step the last unit is kept gathered for its backward: one unit's
+bytes) and before each optimizer step, 2 ranks, on a stack of Linear units fed 3-d inputs.
 """
 
 from __future__ import annotations
@@ -126,12 +127,14 @@ def results() -> list[dict]:
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_gathered_storage_is_freed_with_the_views_autograd_saved(reshard_after_forward: bool) -> None:
-    full_bytes = LAYERS * (WIDTH * WIDTH + WIDTH) * 4  # every unit's full parameters, fp32
+    unit_bytes = (WIDTH * WIDTH + WIDTH) * 4  # a unit's full parameters, fp32
     for per_rank in results():
         before_backward, before_step, losses = per_rank["reshard" if reshard_after_forward else "keep"]
         # Resharded after its forward, a unit holds nothing until the backward gathers it again, although autograd
-        # saved views of its weight; kept, every unit's full parameters are alive when the backward starts.
-        assert before_backward == [0 if reshard_after_forward else full_bytes] * STEPS
+        # saved views of its weight: from the second step all but the last unit the forward ran, which stays gathered
+        # for the backward it starts; kept, every unit's full parameters are alive when the backward starts.
+        expected = [0] + [unit_bytes] * (STEPS - 1) if reshard_after_forward else [LAYERS * unit_bytes] * STEPS
+        assert before_backward == expected
         assert before_step == [0] * STEPS  # each unit is freed once its gradients are reduced
         ddp_losses = per_rank["ddp"][2]
         assert len(losses) == STEPS and losses[0] != losses[-1]
@@ -140,10 +143,12 @@ def test_gathered_storage_is_freed_with_the_views_autograd_saved(reshard_after_f
 
 def test_a_storage_shared_with_numpy_is_left_to_it() -> None:
     # .numpy() of the full parameters at step 1 makes their storages non-resizable: those are dropped, not freed in
-    # place, and the next gathers fill new ones; training goes on as under DDP, with nothing held before a backward.
+    # place, and the next gathers fill new ones; training goes on as under DDP, with nothing held before a backward
+    # but the last unit (as in the test above).
+    unit_bytes = (WIDTH * WIDTH + WIDTH) * 4
     for per_rank in results():
         before_backward, before_step, losses = per_rank["numpy"]
-        assert before_backward == before_step == [0] * STEPS
+        assert before_backward == [0] + [unit_bytes] * (STEPS - 1) and before_step == [0] * STEPS
         assert losses == pytest.approx(per_rank["ddp"][2], rel=1e-5)
 
 

@@ -13,25 +13,26 @@ import zeropp  # noqa: E402
 
 def test_the_small_gpt_splits_into_blocks_and_root() -> None:
     sizes = zeropp.sizes(zeropp.MODEL)
-    assert (sizes.units, sizes.root, sizes.psi) == (793_088, 49_408, 842_496)
+    assert (sizes.units, sizes.root, sizes.psi, sizes.last) == (793_088, 49_408, 842_496, 793_088 // 4)
 
 
 def test_cross_node_formulas_at_two_nodes_of_two() -> None:
-    s = zeropp.Sizes(units=800, root=200, b=4)
+    s = zeropp.Sizes(units=800, root=200, b=4, last=200)
     configs = {c.name: c for c in zeropp.CONFIGS}
     a = zeropp.AG_SHARE
     # ZeRO-3, node by node: per all-gather and per reduce-scatter a rank sends its quarter across once; units gathered
-    # twice, the root once.
+    # twice but the last (kept gathered from its forward to its backward), the root once.
     assert a == 0.25
-    assert configs["zero3"].gloo(s, a) == 0.25 * (2 * 800 + 200) * 4 + 0.25 * 1000 * 4 == 2800
+    assert configs["zero3"].gloo(s, a) == 0.25 * (2 * 800 - 200 + 200) * 4 + 0.25 * 1000 * 4 == 2600
+    assert configs["zero3"].gloo(zeropp.Sizes(units=800, root=200), a) == 2800  # results from before it did
     assert configs["zero1"].gloo(s, a) == configs["zero2"].gloo(s, a) == 1000 * 4 * (0.25 + 0.25)
     # qwZ: both gathers at 1 + 4/4096 bytes an element.
-    assert configs["zero3_qwz"].gloo(s, a) == 0.25 * (2 * 800 + 200) * (1 + 4 / 4096) + 1000
+    assert configs["zero3_qwz"].gloo(s, a) == 0.25 * (2 * 800 - 200 + 200) * (1 + 4 / 4096) + 1000
     # hpZ: the backward gather stays in the node; qgZ: the reduce-scatter becomes one int4 payload of a quarter to the
     # other node; all three: the forward's int8 gather and qgZ's payload only.
     assert configs["zero3_hpz"].gloo(s, a) == 0.25 * 1000 * 4 + 0.25 * 1000 * 4 == 2000
     qgz = 250 * (0.5 + 4 / 4096)
-    assert configs["zero3_qgz"].gloo(s, a) == 0.25 * (2 * 800 + 200) * 4 + qgz
+    assert configs["zero3_qgz"].gloo(s, a) == 0.25 * (2 * 800 - 200 + 200) * 4 + qgz
     assert configs["zero3_zeropp"].gloo(s, a) == 0.25 * 1000 * (1 + 4 / 4096) + qgz
     assert configs["zero3_zeropp"].gloo(s, a) / configs["zero3"].gloo(s, a) < 0.22
     # Hybrid: the shard (Psi/2) all-reduced over a ring of 2, whatever the all-gather does.
