@@ -5,17 +5,17 @@ backward is done, prefetch the next unit.
 forward: the pre-hook waits for the unit's all-gather (issued earlier as a prefetch, or now) and issues the next
 units', up to ``prefetch`` ahead in the order units ran in the previous step; the post-hook frees the parameters
 (``reshard_after_forward``; not those of the unit that ran last in the previous step's forward, which backward reaches
-first: it stays gathered, one gather less a step, as DeepSpeed keeps parameters reused soon) and hooks the outputs'
-gradients. backward: the first output gradient to arrive gathers
-the unit again (state ``BACKWARD``) and prefetches the units backward reaches next; once the gradients of the unit's
-inputs exist (backward is through the unit) and every trainable parameter of it has its gradient accumulated, the
-unit is *done*: its gradients are reduce-scattered (one bucket per dtype) and its parameters freed. Reductions are
-launched in one fixed order, the reverse of the unit plan (about backward's order), a done unit waiting for the ones
-in front of it, so every rank issues the same collectives in the same order; when backward ends every unit not
-reduced yet is, with zeros for missing gradients (or, with ``find_unused_parameters``, after agreeing which parameters
-any rank used). The root unit holds the parameters no unit owns (tied weights among them): it is gathered for the
-whole step and reduced last. Activation checkpointing re-runs a unit's forward inside backward: its hooks then only
-make sure the unit is gathered, in state ``BACKWARD``, so recomputation costs no extra all-gather.
+first: it stays gathered, one gather less a step, until a backward or another forward of the step) and hooks the
+outputs' gradients. backward: the first output gradient to arrive gathers the unit again (state ``BACKWARD``) and
+prefetches the units backward reaches next; once the gradients of the unit's inputs exist (backward is through the
+unit) and every trainable parameter of it has its gradient accumulated, the unit is *done*: its gradients are
+reduce-scattered (one bucket per dtype) and its parameters freed. Reductions are launched in one fixed order, the
+reverse of the unit plan (about backward's order), a done unit waiting for the ones in front of it, so every rank
+issues the same collectives in the same order; when backward ends every unit not reduced yet is, with zeros for
+missing gradients (or, with ``find_unused_parameters``, after agreeing which parameters any rank used). The root unit
+holds the parameters no unit owns (tied weights among them): it is gathered for the whole step and reduced last.
+Activation checkpointing re-runs a unit's forward inside backward: its hooks then only make sure the unit is gathered,
+in state ``BACKWARD``, so recomputation costs no extra all-gather.
 
 [Note: which gathers qwZ quantizes]
 With ``quantize_weights`` every gather of a training or evaluation step is quantized (collectives.py, [Note: the
@@ -143,6 +143,7 @@ class ShardedParams:
         self._input_grad_calls: dict[Unit, int] = {}
         self._forward_order: list[Unit] = []
         self._last_order: list[Unit] = []
+        self._kept: Unit | None = None  # the unit kept gathered from its forward to its backward
         self._holding = False
         self._warned_unused = False
         self._hooks = []
@@ -167,6 +168,8 @@ class ShardedParams:
                 return None
             if unit not in self._forward_order:
                 self._forward_order.append(unit)
+            if not self._holding:
+                self._release_kept(unit)
             unit.wait_unshard(quantized=True)
             self._prefetch_after(unit, self._last_order, quantized=True)
             if self._holding or not torch.is_grad_enabled():
@@ -191,12 +194,22 @@ class ShardedParams:
                 if torch.is_grad_enabled() and needing_grad:
                     unit.keep_secondary()  # hpZ: what the backward gathers from (nothing to do without it)
                 unit.reshard()
+            elif kept and self.config.reshard_after_forward:
+                self._kept = unit
             if torch.is_grad_enabled():
                 for tensor in needing_grad:
                     tensor.register_hook(self._pre_backward_hook(unit))
             return
 
         return hook
+
+    def _release_kept(self, running: Unit) -> None:
+        """A second forward before the backward: free the kept unit as the others are, so this one prefetches."""
+        kept, self._kept = self._kept, None
+        if kept is None or kept is running or kept.state is not UnitState.UNSHARDED:
+            return
+        kept.keep_secondary()
+        kept.reshard()
 
     def _prefetch_after(self, unit: Unit, order: list[Unit], quantized: bool = False, backward: bool = False) -> None:
         if unit not in order:
@@ -366,6 +379,7 @@ class ShardedParams:
         if self._forward_order:
             self._last_order, self._forward_order = self._forward_order, []
         self._input_grad_calls.clear()
+        self._kept = None
         for unit in self.units:
             unit.drop_secondary()
         if not self._holding:

@@ -8,6 +8,9 @@ once (``False``). So per step, with padding counted exactly (``ShardSpec.padded_
 
     all_gather = (2 * blocks + root) * 4 bytes * (N-1)/N     <= 2 Psi (N-1)/N      (reshard_after_forward=True)
     all_gather = (blocks + root) * 4 bytes * (N-1)/N          = 1 Psi (N-1)/N      (reshard_after_forward=False)
+
+(The first: less the last block's backward gather, which stays gathered from its forward.) And a model run twice
+before its backward: the same steps as DDP, the last block freed again by the second forward so that it prefetches.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from functools import cache
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.sharding.flat_param import ShardSpec
+from lightning_zero.sharding.unit_state import UnitState
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, make_trainer
+from tests.models import Recorder, TinyLM, make_trainer
 
 STEPS = 3
 VOCAB = 512  # a large tied matrix: the root unit is about half the model
@@ -42,6 +49,31 @@ class PerStep(pl.Callback):
         self.steps.append({op: s.bytes for op, s in by_op.items()} | {f"{op}_calls": s.calls for op, s in by_op.items()})
 
 
+class RunTwice(TinyLM):
+    """The model run twice before one backward (the sequence and its mirror image), as contrastive objectives do."""
+
+    def training_step(self, batch, batch_idx):
+        tokens, _ = batch
+        x, targets = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+        ce = lambda logits: nn.functional.cross_entropy(logits.reshape(-1, self.vocab), targets)  # noqa: E731
+        return (ce(self(x)) + ce(self(x.flip(1)))) / 2
+
+
+class FirstBlockSees(pl.Callback):
+    """At each forward of the first block (after the strategy's pre-forward hook): how many blocks are gathered or on
+    their way, and whether the second block is (prefetched)."""
+
+    reads_parameters = False
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bool]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        units = trainer.strategy.runtime.parameters.units
+        alive = lambda: [u.state is not UnitState.SHARDED for u in units]  # noqa: E731
+        units[0].module.register_forward_pre_hook(lambda *_: self.seen.append((sum(alive()), alive()[1])))
+
+
 def _run(rank: int, world_size: int) -> dict:
     out = {}
     for reshard in (True, False):
@@ -51,6 +83,14 @@ def _run(rank: int, world_size: int) -> dict:
         strategy = ZeroStrategy(stage=3, reshard_after_forward=reshard)
         make_trainer(strategy, world_size, max_steps=STEPS, callbacks=[per_step]).fit(model)
         out[reshard] = per_step.steps
+    for name, strategy in (("twice", ZeroStrategy(stage=3)), ("twice ddp", DDPStrategy())):
+        pl.seed_everything(0, verbose=False)
+        # PerStep before Recorder: the recorder's gather of the weights falls outside the step's count.
+        per_step, seen, recorder = PerStep(), FirstBlockSees(), Recorder()
+        callbacks = [per_step, seen, recorder] if name == "twice" else [recorder]
+        make_trainer(strategy, world_size, max_steps=STEPS, callbacks=callbacks,
+                     num_sanity_val_steps=0).fit(RunTwice(vocab=VOCAB, d_model=32, n_layer=3))
+        out[name] = (recorder.losses, recorder.params, per_step.steps, seen.seen)
     return out
 
 
@@ -96,3 +136,21 @@ def test_tied_model_is_mostly_root_here() -> None:
     """The figure above is only informative if the tied matrix is a large share of the model."""
     blocks, root, _, _ = _padded(2)
     assert root > 0.4 * (blocks + root)
+
+
+def test_a_model_run_twice_before_its_backward_prefetches_and_matches_ddp() -> None:
+    """The last block is kept gathered after the first forward; the second forward frees it at its first block (so
+    that block prefetches the next as in any forward, within ``prefetch=1``: 2 blocks alive) and keeps it again at its
+    end. So a steady step gathers the root once, every block in both forwards, and every block but the last in the
+    backward; the first step, with no order yet, keeps nothing. (Three blocks: were the last kept through the second
+    forward, the first block could not prefetch the second within ``prefetch=1``.)"""
+    n_blocks = 3
+    for per_rank in results(2):
+        losses, params, steps, seen = per_rank["twice"]
+        ddp_losses, ddp_params, _, _ = per_rank["twice ddp"]
+        assert losses == pytest.approx(ddp_losses, rel=1e-5) and len(losses) == STEPS
+        for got, want in zip(params, ddp_params):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert [step["all_gather_calls"] for step in steps] == [1 + 3 * n_blocks] + [1 + 3 * n_blocks - 1] * (STEPS - 1)
+        assert seen[0] == (1, False)  # the first forward of all: nothing to prefetch from yet
+        assert seen[2:] == [(2, True)] * (2 * STEPS - 2)  # from the second step: the second block prefetched
