@@ -187,14 +187,14 @@ class ShardedParams:
             if _in_backward() or self._holding:
                 return
             needing_grad = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
-            # The unit the forward ran last (in the previous step's order) is the one backward reaches first: keep
-            # it gathered rather than free it and gather it again at once (see the module's first Note).
-            kept = bool(needing_grad) and bool(self._last_order) and unit is self._last_order[-1]
+            # Backward starts at the unit the forward ran last (previous step's order): keep it (the first Note).
+            kept = (self.config.reshard_after_forward and bool(needing_grad) and bool(self._last_order)
+                    and unit is self._last_order[-1])
             if not torch.is_grad_enabled() or (self.config.reshard_after_forward and not kept):
                 if torch.is_grad_enabled() and needing_grad:
                     unit.keep_secondary()  # hpZ: what the backward gathers from (nothing to do without it)
                 unit.reshard()
-            elif kept and self.config.reshard_after_forward:
+            elif kept:
                 self._kept = unit
             if torch.is_grad_enabled():
                 for tensor in needing_grad:
