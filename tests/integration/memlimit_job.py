@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 
 import lightning.pytorch as pl
@@ -41,6 +42,12 @@ def _hf_gpt2():
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
+
+def _emit(record: dict) -> None:
+    """One JSON line in one write: the forked ranks share stdout, and print() may write the text and the newline
+    apart, so two ranks' lines could interleave (seen once: rank 1's line inside rank 0's)."""
+    os.write(1, (json.dumps(record) + "\n").encode())
+
 class EagerLanguageModel(LanguageModel):
     """The same network built in ``__init__``, in full, before the strategy sees it."""
 
@@ -59,7 +66,7 @@ class Losses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        print(json.dumps({"rank": trainer.global_rank, "losses": self.losses}), flush=True)
+        _emit({"rank": trainer.global_rank, "losses": self.losses})
 
 
 def strategy(model: str, name: str, offload_dir: str):
@@ -96,7 +103,7 @@ def main() -> None:
             enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(model, train_dataloaders=data)
-        print(json.dumps({"report": monitor.report().splitlines()}), flush=True)
+        _emit({"report": monitor.report().splitlines()})
 
 
 if __name__ == "__main__":
