@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero import memory_policy
+from lightning_zero import memory, memory_policy
 from lightning_zero.config import ZeroConfig
-from lightning_zero.memory_policy import LEAN_SHARE, describe, model_state_share, resolve_lean
+from lightning_zero.memory_policy import LEAN_SHARE, describe, lean_config, model_state_share, resolve_lean
 
 
 class _Ranks:
@@ -86,3 +86,35 @@ def test_the_report_says_which_side_and_why():
     assert describe(True, ZeroConfig(stage=3, lean_memory=True)).endswith(": lean_memory=True")
     disk = ZeroConfig.from_options(stage=3, offload_optimizer="disk", offload_params="disk")
     assert describe(True, disk).endswith(": disk offload")
+
+
+class _Libc:
+    """The C library's ``mallopt``, recording what it is given."""
+
+    def __init__(self) -> None:
+        self.settings: list[tuple[int, int]] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.settings.append((param, value))
+        return 1
+
+
+M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1  # malloc.h
+
+
+@pytest.mark.parametrize(("options", "lean", "settings"), [
+    # lean: every block of 1 MiB or more mapped afresh, handed back at once
+    (dict(stage=3), True, [(M_MMAP_THRESHOLD, 1 << 20)]),
+    # fast: blocks under 32 MiB from the heap, whose top is never cut back (no page faults from step to step)
+    (dict(stage=3), False, [(M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 2**31 - 1)]),
+    (dict(stage=1, offload_optimizer="cpu"), False, [(M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 2**31 - 1)]),
+    # zero1 and zero2 in memory keep glibc's own thresholds, as DDP runs with them
+    (dict(stage=2), True, []),
+    (dict(stage=2), False, []),
+])
+def test_each_side_sets_glibcs_heap_up_on_a_cpu_device(monkeypatch, options, lean, settings):
+    libc = _Libc()
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    config = ZeroConfig.from_options(lean_memory=lean, **options)
+    assert lean_config(config, MODEL, _Ranks(None), "32-true", 2).lean_memory is lean
+    assert libc.settings == settings
