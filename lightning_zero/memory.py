@@ -146,10 +146,11 @@ def return_large_blocks_at_once() -> bool:
     Left to glibc, a fast run (not lean) still gave pages back: glibc cuts its heap's top back to the system whenever
     more than its trim threshold (twice the moving mmap threshold) is free there, as at the end of every backward,
     and the next step faults those pages in again. On M-2 (10.6M GPT, 2 CPU ranks) zero3 took 1-11 thousand minor
-    page faults a step a rank that way; so a fast run on a CPU device under stage 3 or an optimizer offload fixes the
-    mmap threshold at ``HEAP_BLOCK_BYTES`` (where glibc's own would end up) and stops the trimming
-    (``keep_freed_blocks``): no page faults in the steady steps, 310 -> 296 ms a step (0.76x -> 0.73x Lightning
-    FSDP2's, which the same setting leaves unchanged), training peak 252.4 -> 254.9 MB. The heap then holds the largest
+    page faults a step a rank that way; so a fast run on a CPU device under stage 3 or an optimizer offload, once its
+    setup is done, fixes the mmap threshold at ``HEAP_BLOCK_BYTES`` (where glibc's own would end up) and stops the
+    trimming (``keep_freed_blocks``, from memory_policy.before_steps): no page faults in the steady steps, 310 ->
+    296 ms a step (0.76x -> 0.73x Lightning FSDP2's, which the same setting leaves unchanged), training peak 252.4
+    -> 254.9 MB. The heap then holds the largest
     step's memory until the process ends, as a fast run's buffers are held. Both return whether the C library has
     ``mallopt``.
     """

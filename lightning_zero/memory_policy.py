@@ -70,13 +70,26 @@ def memory_budget(device: torch.device, local_ranks: int) -> int:
 
 def lean_config(config: ZeroConfig, module: nn.Module, comms: Collectives, precision: str,
                 local_ranks: int) -> ZeroConfig:
-    """``config`` with ``lean_memory`` decided (see [Note: lean or fast memory]); a run on a CPU device under stage
-    3 or an optimizer offload sets glibc's heap up for its side from here on."""
+    """``config`` with ``lean_memory`` decided (see [Note: lean or fast memory]); a lean run on a CPU device under
+    stage 3 or an optimizer offload fixes glibc's mmap threshold from here on, its setup included."""
     lean = resolve_lean(config, module, comms, precision, local_ranks)
-    if comms.device.type == "cpu" and (config.stage == 3 or config.offload.offload_optimizer):
-        # see [Note: glibc's heap and a memory limit] in memory.py
-        return_large_blocks_at_once() if lean else keep_freed_blocks()
+    if lean and _sets_glibc_heap(config, comms):
+        return_large_blocks_at_once()  # see [Note: glibc's heap and a memory limit] in memory.py
     return dataclasses.replace(config, lean_memory=lean)
+
+
+def before_steps(config: ZeroConfig, comms: Collectives) -> None:
+    """Once setup is done and has given its freed memory back: a fast run (``config`` from ``lean_config``) on a CPU
+    device under stage 3 or an optimizer offload keeps glibc's heap from here on ([Note: glibc's heap and a memory
+    limit] in memory.py). Not during setup, which builds a model one module at a time and keeps each one's rows: with
+    the heap kept there its peak rose from under a shard and three layers to 1.4x that (tests/distributed/
+    test_large_init.py)."""
+    if config.lean_memory is False and _sets_glibc_heap(config, comms):
+        keep_freed_blocks()
+
+
+def _sets_glibc_heap(config: ZeroConfig, comms: Collectives) -> bool:
+    return comms.device.type == "cpu" and (config.stage == 3 or bool(config.offload.offload_optimizer))
 
 
 def describe(lean: bool, config: ZeroConfig) -> str:

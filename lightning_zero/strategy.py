@@ -48,7 +48,7 @@ from lightning_zero.memory import (
     give_back_freed_memory,
     model_state_bytes,
 )
-from lightning_zero.memory_policy import lean_config
+from lightning_zero.memory_policy import before_steps, lean_config
 from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
@@ -240,6 +240,7 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         if self.config.stage == 3 and not self._runtime.single_rank:
             adapt_weight_callbacks(trainer, self._runtime, self.gathered_parameters)
         give_back_freed_memory()
+        before_steps(config, comms)
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:

@@ -9,7 +9,9 @@ from torch import nn
 
 from lightning_zero import memory, memory_policy
 from lightning_zero.config import ZeroConfig
-from lightning_zero.memory_policy import LEAN_SHARE, describe, lean_config, model_state_share, resolve_lean
+from lightning_zero.memory_policy import (
+    LEAN_SHARE, before_steps, describe, lean_config, model_state_share, resolve_lean,
+)
 
 
 class _Ranks:
@@ -115,6 +117,9 @@ M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1  # malloc.h
 def test_each_side_sets_glibcs_heap_up_on_a_cpu_device(monkeypatch, options, lean, settings):
     libc = _Libc()
     monkeypatch.setattr(memory, "_libc", lambda: libc)
-    config = ZeroConfig.from_options(lean_memory=lean, **options)
-    assert lean_config(config, MODEL, _Ranks(None), "32-true", 2).lean_memory is lean
+    config = lean_config(ZeroConfig.from_options(lean_memory=lean, **options), MODEL, _Ranks(None), "32-true", 2)
+    assert config.lean_memory is lean
+    # the lean side's threshold holds through setup; the fast side keeps the heap only once setup is done
+    assert libc.settings == (settings if lean else [])
+    before_steps(config, _Ranks(None))
     assert libc.settings == settings
