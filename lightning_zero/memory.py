@@ -150,9 +150,8 @@ def return_large_blocks_at_once() -> bool:
     setup is done, fixes the mmap threshold at ``HEAP_BLOCK_BYTES`` (where glibc's own would end up) and stops the
     trimming (``keep_freed_blocks``, from memory_policy.before_steps): no page faults in the steady steps, 310 ->
     296 ms a step (0.76x -> 0.73x Lightning FSDP2's, which the same setting leaves unchanged), training peak 252.4
-    -> 254.9 MB. The heap then holds the largest
-    step's memory until the process ends, as a fast run's buffers are held. Both return whether the C library has
-    ``mallopt``.
+    -> 254.9 MB. The heap then holds the largest step's memory until the process ends, as a fast run's buffers are
+    held. Both return whether the C library has ``mallopt``.
     """
     return _mallopt((_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
 
@@ -168,7 +167,8 @@ def _mallopt(*settings: tuple[int, int]) -> bool:
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
-    return all([bool(mallopt(param, value)) for param, value in settings])
+    took = [bool(mallopt(param, value)) for param, value in settings]  # every one set, whatever an earlier returned
+    return all(took)
 
 
 _MADV_DONTNEED = 4  # unmap these pages from this process (a file mapping's: read again from the file if touched)

@@ -42,11 +42,11 @@ def _hf_gpt2():
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-
 def _emit(record: dict) -> None:
     """One JSON line in one write: the forked ranks share stdout, and print() may write the text and the newline
     apart, so two ranks' lines could interleave (seen once: rank 1's line inside rank 0's)."""
     os.write(1, (json.dumps(record) + "\n").encode())
+
 
 class EagerLanguageModel(LanguageModel):
     """The same network built in ``__init__``, in full, before the strategy sees it."""
