@@ -406,7 +406,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         replaced = [s for s in self.shards if s.local.dtype != s.dtype or s.sharded]
         keep = self.offload.full_parameter if self.offload is not None else Tensor.to
         transient = BufferPool(self.comms.device, limit=0)  # one bucket buffer at a time, not kept
-        for dtype in {s.local.dtype for s in replaced}:
+        for dtype in dict.fromkeys(s.local.dtype for s in replaced):  # model order: the same on every rank
             for bucket in make_buckets([s for s in replaced if s.local.dtype == dtype], self.config.comm.bucket_bytes, dtype):
                 params = [s.param for s in bucket.shards]
                 for shard in bucket.shards:

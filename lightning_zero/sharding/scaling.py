@@ -88,7 +88,7 @@ class StepScaling:
         inf or NaN: one all-reduce, over the shard group under hybrid sharding (its replicas hold the same shards:
         see [Note: hybrid sharding] in topology.py), where the ranks named are this replica's."""
         stats = torch.zeros(1 + self.comms.world_size, dtype=torch.float32, device=self.comms.device)
-        for dtype in {g.dtype for g in grads}:
+        for dtype in dict.fromkeys(g.dtype for g in grads):
             group = [g for g in grads if g.dtype == dtype and g.numel() > 0]
             if group:
                 norms = torch._foreach_norm(group, 2, dtype=torch.float64 if dtype == torch.float64 else torch.float32)

@@ -207,7 +207,7 @@ class UserView:
         shown = {s: s.param.grad for s in with_grads}
         fulls = {s: torch.empty(s.spec.shape, dtype=shown[s].dtype, device=shown[s].device) for s in with_grads}
         pool = BufferPool(self.comms.device, limit=0)
-        for dtype in {shown[s].dtype for s in with_grads}:
+        for dtype in dict.fromkeys(shown[s].dtype for s in with_grads):  # model order: the same on every rank
             group = [s for s in with_grads if shown[s].dtype == dtype]
             for bucket in make_buckets(group, 1 << 62, dtype):
                 sources = [shown[s]._local for s in bucket.shards]
