@@ -35,14 +35,14 @@ def check_replicas(module: nn.Module, comms: Collectives) -> int:
     """Raise :class:`ReplicaMismatchError` on every rank if any rank's replicated tensors differ from rank 0's,
     naming the tensors and the ranks; return how many tensors were compared. Every rank must call it."""
     tensors = replicated_tensors(module)
-    mine = [len(tensors), *(digest(t) for t in tensors.values())]
-    everyone = comms.exchange(mine)
-    if any(len(values) != len(mine) or values[0] != mine[0] for values in everyone):
-        counts = [values[0] for values in everyone]
+    # The counts first: the digests' all-gather needs the same number of values from every rank.
+    counts = [count for (count,) in comms.exchange([len(tensors)])]
+    if len(set(counts)) > 1:
         raise ReplicaMismatchError(f"ranks hold different numbers of replicated tensors: {counts} (by rank)")
+    everyone = comms.exchange([digest(t) for t in tensors.values()])
     names = list(tensors)
     differing = {
-        name: [rank for rank, values in enumerate(everyone) if values[1 + i] != everyone[0][1 + i]]
+        name: [rank for rank, values in enumerate(everyone) if values[i] != everyone[0][i]]
         for i, name in enumerate(names)
     }
     differing = {name: ranks for name, ranks in differing.items() if ranks}
