@@ -235,7 +235,7 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         if self.config.offload.offload_optimizer:
             offload = partial(make_offload, config=self.config, comms=comms, host_ranks=self.num_processes)
         working_dtype = self.precision_plugin.working_dtype
-        self._runtime = ZeroRuntime(self.model, config, comms, working_dtype, materialized, offload)
+        self._runtime = ZeroRuntime(self.model, config, comms, working_dtype, materialized, offload, self._timeout)
         del materialized  # the rows the shards were cut from: the shards own them now
         if self.config.stage == 3 and not self._runtime.single_rank:
             adapt_weight_callbacks(trainer, self._runtime, self.gathered_parameters)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 
 import torch
 from torch import Tensor, nn
@@ -103,7 +104,8 @@ class ShardedParams:
     (see [Note: the life of a unit in one training step])."""
 
     def __init__(self, root: Unit, units: Sequence[Unit], comms: Collectives, comm: CommConfig, config: Stage3Config,
-                 storage: ShardStorage | None = None, hand_out: HandOut | None = None, lean: bool = True):
+                 storage: ShardStorage | None = None, hand_out: HandOut | None = None, lean: bool = True,
+                 timeout: timedelta | None = None):
         self.root = root
         self.lean = lean
         self.units = list(units)
@@ -116,7 +118,7 @@ class ShardedParams:
         #: What the unit-order check exchanges through (see [Note: the unit-order board] in unit_order.py).
         self._order: SharedBoard | Collectives | None = None
         if config.verify_unit_order:
-            self._order = unit_order_channel(comms, len(self.all_units))
+            self._order = unit_order_channel(comms, len(self.all_units), timeout)
             for unit in self.all_units:
                 unit.announce = self._announce
         self.comms = comms
@@ -298,6 +300,12 @@ class ShardedParams:
         return dict(zip(shards, (flags > 0).tolist()))
 
     _KINDS = ("gather", "reduce")
+
+    def board_announcements(self) -> int:
+        """How many unit collectives this rank has announced on the shared-memory board (0 over the control channel,
+        whose exchanges are collectives): part of how far this rank is (see [Note: a read that runs on one rank] in
+        joined_reads.py)."""
+        return self._order.announced if isinstance(self._order, SharedBoard) else 0
 
     def _announce(self, kind: str, unit: Unit) -> Callable[[], None] | None:
         """[Note: ranks that run different units] Every unit collective is a collective: if one rank gathers a unit

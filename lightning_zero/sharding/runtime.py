@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -72,6 +73,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
     ``working_dtype`` (mixed precision) makes floating-point fp32 parameters 16-bit and their optimizer shards fp32
     masters (BatchNorm's stay fp32: ``F.batch_norm`` needs its weight in the running statistics' dtype).
     ``offload`` makes the offload of the shards (``lightning_zero.offload.make_offload``), if the config offloads.
+    ``timeout``: the process group's (``ZeroStrategy(timeout=...)``), which zero3's unit-order board waits at most.
     """
 
     def __init__(
@@ -82,8 +84,10 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         working_dtype: torch.dtype | None = None,
         materialized: Materialized | None = None,
         offload: Callable[[list[ParamShard]], Offload] | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         self.module = module
+        self.timeout = timeout
         self.config = config
         self.comms = comms
         self.working_dtype = working_dtype
@@ -160,7 +164,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
 
         units = [unit(i + 1, p) for i, p in enumerate(plans)]
         return ShardedParams(unit(0, root_plan), units, self.comms, self.config.comm, self.config.stage3,
-                             self._grad_storage(), self.user_view.hand_out, lean=self.lean)
+                             self._grad_storage(), self.user_view.hand_out, lean=self.lean, timeout=self.timeout)
 
     def _grad_storage(self):
         """Where gradient shards live: in memory, or where the offload keeps them (disk offload on a host)."""

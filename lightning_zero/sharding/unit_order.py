@@ -19,7 +19,8 @@ A rank waits only where another has not announced yet. It sleeps, in steps growi
 millisecond, at once rather than spinning first: on 2 busy cores a rank that spun (64 ``sched_yield`` calls before the
 first sleep) took the core from its own gloo thread, whose transfer it was waiting for (M-2, 6 rounds: 385 ms a step
 spinning, 341 sleeping at once, 377 with the check off). It runs Python throughout, so the watchdog's error reaches
-it, and it gives up after the process group's default timeout, naming the ranks that never announced. A peer that
+it, and it gives up after the timeout the collective it stands for would have (``ZeroStrategy(timeout=...)``, the
+process group's), naming the ranks that never announced. A peer that
 died (killed, out of memory) closes no connection the board would see, where gloo's collective would have failed at
 once ("Connection reset by peer", which the watchdog turns into an error naming the rank within a probe): so every
 ``LIVENESS_S`` of waiting the board looks whether the processes it waits for still run (``/proc/PID``, the ranks'
@@ -39,6 +40,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 from torch.distributed import DistNetworkError, default_pg_timeout
 
@@ -58,12 +60,14 @@ SHM_DIR = "/dev/shm"
 LIVENESS_S = 0.05
 
 
-def unit_order_channel(comms: Collectives, units: int) -> SharedBoard | Collectives:
+def unit_order_channel(comms: Collectives, units: int, timeout: timedelta | None) -> SharedBoard | Collectives:
     """What zero3's unit-order check exchanges through: a :class:`SharedBoard` where every rank of ``comms``' group
-    shares this host's memory (and there are at most ``MAX_UNITS`` units), else ``comms``' control channel. Every rank
-    of the group calls it, at the same point."""
+    shares this host's memory (and there are at most ``MAX_UNITS`` units), else ``comms``' control channel. A board
+    waits at most ``timeout``, the process group's (``None``: torch's default, as for ``init_process_group``). Every
+    rank of the group calls it, at the same point."""
     comms.open_control_channel()
-    board = SharedBoard.open(comms) if units <= MAX_UNITS and not comms.local else None
+    timeout_s = (timeout if timeout is not None else default_pg_timeout).total_seconds()
+    board = SharedBoard.open(comms, timeout_s) if units <= MAX_UNITS and not comms.local else None
     return board if board is not None else comms
 
 
@@ -101,9 +105,15 @@ class SharedBoard:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._calls = 0
 
+    @property
+    def announced(self) -> int:
+        """How many announcements this rank has made."""
+        return self._calls
+
     @classmethod
-    def open(cls, comms: Collectives) -> SharedBoard | None:
-        """The board of ``comms``' group, or ``None`` where some rank cannot map it (collective: see the Note)."""
+    def open(cls, comms: Collectives, timeout_s: float) -> SharedBoard | None:
+        """The board of ``comms``' group, whose reads wait at most ``timeout_s``, or ``None`` where some rank cannot
+        map it (collective: see the Note)."""
         nbytes = 8 + comms.world_size * SLOTS * 8
         number = 0
         if comms.rank == 0:
@@ -121,7 +131,7 @@ class SharedBoard:
             return None
         same = len({ns for _, _, ns in everyone}) == 1 and everyone[0][2] != 0
         pids = [pid for _, pid, _ in everyone] if same else None
-        return cls(memory, comms.rank, comms.world_size, default_pg_timeout.total_seconds(), pids)
+        return cls(memory, comms.rank, comms.world_size, timeout_s, pids)
 
     def exchange_async(self, values: Sequence[int]) -> Posted:
         """Announce ``values`` (kind, unit, count of the step) as this rank's next exchange."""
@@ -154,7 +164,7 @@ class SharedBoard:
             elif now > deadline:
                 missing = [r for r, row in enumerate(rows) if row is None]
                 raise TimeoutError(f"ranks {missing} did not announce unit collective {call} within "
-                                   f"{self.timeout_s:.0f} s (the process group's default timeout)")
+                                   f"{self.timeout_s:g} s (ZeroStrategy's timeout)")
             if self.pids is not None and now - looked > LIVENESS_S:
                 looked = now
                 for r, row in enumerate(rows):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
@@ -55,7 +56,7 @@ SETTLED = 3  # the first step whose unit collectives are checked beside them (se
 def _use_channel(channel: str) -> type:
     """Make this rank's zero3 check exchange through ``channel``; the class whose exchanges it then makes."""
     if channel == "gloo":
-        param_hooks.unit_order_channel = lambda comms, units: (comms.open_control_channel(), comms)[1]
+        param_hooks.unit_order_channel = lambda comms, units, timeout: (comms.open_control_channel(), comms)[1]
     return CHANNELS[channel]
 
 
@@ -167,3 +168,25 @@ def test_a_rank_that_skips_the_last_unit_is_refused_a_step_later() -> None:
         ("ranks diverged under zero3", []),
         ("ranks diverged under zero3", [f"rank 1: {in_last_block}"]),
     ]
+
+
+class _BoardTimeout(pl.Callback):
+    """The unit-order board's timeout, read during fit (the board closes at its end)."""
+
+    timeout_s: float | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        board = trainer.strategy.runtime.parameters._order
+        self.timeout_s = board.timeout_s if isinstance(board, SharedBoard) else None
+
+
+def _board_timeout(rank: int, world_size: int) -> float | None:
+    seen = _BoardTimeout()
+    trainer = make_trainer(ZeroStrategy(stage=3, units=("Block",), timeout=timedelta(seconds=42)), world_size,
+                           max_steps=1, callbacks=[seen], limit_val_batches=0)
+    trainer.fit(TinyLM())
+    return seen.timeout_s
+
+
+def test_the_unit_order_board_waits_as_long_as_the_strategys_timeout() -> None:
+    assert run_on_ranks(_board_timeout, 2, timeout_s=60) == [42.0, 42.0]

@@ -9,12 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
-from torch.distributed import DistNetworkError
+from torch.distributed import DistNetworkError, default_pg_timeout
 
 from lightning_zero.sharding import unit_order
-from lightning_zero.sharding.unit_order import SLOTS, TAG_BITS, SharedBoard, pack, unpack
+from lightning_zero.sharding.unit_order import SLOTS, TAG_BITS, SharedBoard, pack, unpack, unit_order_channel
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_a_read_waits_for_the_other_rank(boards) -> None:
 
 def test_a_rank_that_never_announces_times_out_naming_it(boards) -> None:
     zero, _ = boards
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not announce unit collective 1 within 0 s"):
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not announce unit collective 1 within 0.5 s"):
         zero.exchange([0, 1, 1])
 
 
@@ -80,7 +81,7 @@ def test_a_row_overrun_by_a_rank_too_far_ahead_raises(boards) -> None:
 class _TwoRanks:
     """Rank 0 of a 2-rank group whose other rank answers ``peer_ok`` when asked whether it mapped the board."""
 
-    rank, world_size = 0, 2
+    rank, world_size, local = 0, 2, False
 
     def __init__(self, peer_ok: int) -> None:
         self.peer_ok = peer_ok
@@ -91,11 +92,14 @@ class _TwoRanks:
         ok, _, namespace = values
         return [list(values), [self.peer_ok, 1, namespace]]
 
+    def open_control_channel(self) -> None:
+        pass
+
 
 @pytest.mark.parametrize("peer_ok", [1, 0], ids=["every-rank-mapped", "a-rank-elsewhere"])
 def test_opening_uses_the_board_only_if_every_rank_mapped_it_and_leaves_no_file(tmp_path, monkeypatch, peer_ok) -> None:
     monkeypatch.setattr(unit_order, "SHM_DIR", str(tmp_path))
-    board = SharedBoard.open(_TwoRanks(peer_ok))
+    board = SharedBoard.open(_TwoRanks(peer_ok), timeout_s=60.0)
     assert (board is not None) == bool(peer_ok)
     assert list(tmp_path.iterdir()) == []
     if board is not None:
@@ -114,3 +118,17 @@ def test_a_rank_whose_process_ended_is_named_while_waiting(boards) -> None:
                                                "announced unit collective 1"):
         zero.exchange([0, 1, 1])
     assert time.perf_counter() - started < 0.4  # within a few LIVENESS_S, not the timeout
+
+
+def test_the_board_waits_as_long_as_the_strategys_timeout_then_gives_up(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(unit_order, "SHM_DIR", str(tmp_path))
+    default = unit_order_channel(_TwoRanks(1), 4, timeout=None)
+    assert default.timeout_s == default_pg_timeout.total_seconds()  # torch's default, as init_process_group's
+    default.close()
+    board = unit_order_channel(_TwoRanks(1), 4, timeout=timedelta(seconds=0.3))
+    assert isinstance(board, SharedBoard) and board.timeout_s == 0.3
+    started = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not announce unit collective 1 within 0.3 s"):
+        board.exchange([0, 1, 1])  # the peer's row is never written
+    assert 0.3 <= time.perf_counter() - started < 5
+    board.close()
