@@ -301,12 +301,6 @@ class ShardedParams:
 
     _KINDS = ("gather", "reduce")
 
-    def board_announcements(self) -> int:
-        """How many unit collectives this rank has announced on the shared-memory board (0 over the control channel,
-        whose exchanges are collectives): part of how far this rank is (see [Note: a read that runs on one rank] in
-        joined_reads.py)."""
-        return self._order.announced if isinstance(self._order, SharedBoard) else 0
-
     def _announce(self, kind: str, unit: Unit) -> Callable[[], None] | None:
         """[Note: ranks that run different units] Every unit collective is a collective: if one rank gathers a unit
         that another skipped (a branch taken on some ranks only), their collectives no longer pair up; gloo aborts the
