@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from lightning_zero.config_checks import (ZeroConfigError, all_ints, check_bool, check_mib, check_names,
-                                          check_optional_bool, check_quantize_grads, is_count, is_number)
+                                          check_optional_bool, check_quantize_grads, is_count, is_number,
+                                          refuse_stage3_options)
 
 SUPPORTED_STAGES = (1, 2, 3)
 #: ``precision=`` flags ZeroStrategy supports, and the 16-bit working dtype each implies (None: full fp32).
@@ -367,11 +368,7 @@ class ZeroConfig:
                 f"offload_params={self.offload.offload_params!r} needs stage=3 (stages 1 and 2 keep full parameters "
                 f"on every rank), got stage={self.stage}: use offload_optimizer to offload stage {self.stage}'s states"
             )
-        if self.stage3.quantize_weights and self.stage != 3:
-            raise ZeroConfigError(
-                f"quantize_weights=True needs stage=3 (it quantizes stage 3's parameter all-gathers), got "
-                f"stage={self.stage}"
-            )
+        refuse_stage3_options(self.stage, self.stage3, Stage3Config())
         _refuse_with_hpz(self)
         check_quantize_grads(self.comm.quantize_grads, self.topology.shard_group_size)
         policy = self.activation_checkpointing_policy
@@ -402,13 +399,6 @@ class ZeroConfig:
         for name in _COMPONENTS:
             flat.update(dataclasses.asdict(getattr(self, name)))
         return flat
-
-    def ignored_options(self) -> list[str]:
-        """Options set away from their default that this stage does not use (stage-3 options under stage 1 or 2)."""
-        if self.stage == 3:
-            return []
-        default = Stage3Config()
-        return [f.name for f in dataclasses.fields(Stage3Config) if getattr(self.stage3, f.name) != getattr(default, f.name)]
 
 
 def _refuse_with_hpz(config: ZeroConfig) -> None:

@@ -3,6 +3,7 @@ they raise, value checks shared by the option groups, and the launch settings pa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 
@@ -29,6 +30,29 @@ def check_quantize_grads(quantize_grads: str | None, shard_group_size: int | Non
             "sharding's traffic across nodes is the full-precision all-reduce of the shard, which qgZ does not "
             "quantize; use node_size to tell qgZ where the nodes are instead"
         )
+
+
+#: Why each of stage 3's options (``Stage3Config``) means nothing to stages 1 and 2, which gather no units.
+STAGE3_ONLY: dict[str, str] = {
+    "units": "it names the modules stage 3 gathers together",
+    "unit_mb": "it sizes the units stage 3 gathers",
+    "prefetch": "it sets how many units stage 3 gathers ahead",
+    "reshard_after_forward": "it sets when stage 3 frees a gathered unit",
+    "verify_unit_order": "it checks the order of stage 3's unit collectives",
+    "buffer_pool_mb": "it bounds the buffers of stage 3's unit gathers",
+    "quantize_weights": "it quantizes stage 3's parameter all-gathers",
+}
+
+
+def refuse_stage3_options(stage: int, options: Any, defaults: Any) -> None:
+    """Stage 3's ``options`` set away from their ``defaults`` under stage 1 or 2 are refused, naming the first, rather
+    than ignored: a run would otherwise train without what its configuration says."""
+    if stage == 3:
+        return
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if value != getattr(defaults, f.name):
+            raise ZeroConfigError(f"{f.name}={value!r} needs stage=3 ({STAGE3_ONLY[f.name]}), got stage={stage}")
 
 
 def check_launch_settings(start_method: Any = None, process_group_backend: Any = None, timeout: Any = None) -> None:

@@ -25,7 +25,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
@@ -113,9 +112,6 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         self.config = config if config is not None else ZeroConfig.from_options(**options)
         check_launch_settings(start_method, process_group_backend, timeout)
         refuse_accelerator(accelerator)
-        ignored = self.config.ignored_options()
-        if ignored:
-            rank_zero_warn(f"{', '.join(ignored)} only apply to stage 3 and are ignored with stage={self.config.stage}")
         self._default_precision = ZeroPrecision()
         super().__init__(
             accelerator=accelerator,

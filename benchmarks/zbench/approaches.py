@@ -285,7 +285,12 @@ def make_strategy(approach: Approach, world: int):
         return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     from lightning_zero import ZeroStrategy
 
-    return ZeroStrategy(bucket_mb=BUCKET_MB, units=("Block",), **approach.options)
+    return ZeroStrategy(bucket_mb=BUCKET_MB, **block_units(approach), **approach.options)
+
+
+def block_units(approach: Approach) -> dict:
+    """Stage 3 gathers each ``Block`` as a unit; stages 1 and 2 refuse the option (they gather no units)."""
+    return {"units": ("Block",)} if approach.options.get("stage") == 3 else {}
 
 
 def extra_callbacks(approach: Approach) -> list:

@@ -220,14 +220,14 @@ def run_lightning(spec: dict, approach, rank: int, world: int) -> dict:
 
 def _strategy(approach, world: int, workdir: str, subgroup_mb: float):
     """``zbench.approaches.make_strategy``'s, with disk offload's files under ``workdir``."""
-    from zbench.approaches import BUCKET_MB, make_strategy
+    from zbench.approaches import BUCKET_MB, block_units, make_strategy
 
     if "disk" not in approach.options.values():
         return make_strategy(approach, world)
     from lightning_zero import ZeroStrategy
 
-    return ZeroStrategy(bucket_mb=BUCKET_MB, units=("Block",), offload_dir=workdir, offload_subgroup_mb=subgroup_mb,
-                        **approach.options)
+    return ZeroStrategy(bucket_mb=BUCKET_MB, **block_units(approach), offload_dir=workdir,
+                        offload_subgroup_mb=subgroup_mb, **approach.options)
 
 
 def _lightning_info(trainer) -> dict:

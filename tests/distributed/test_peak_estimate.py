@@ -76,7 +76,7 @@ def _fit_peak(option: str) -> tuple[int, int]:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     module = GPTModule()
-    strategy = ZeroStrategy(**estimate.LAYOUTS[option].strategy_options(), units=("Block",), lean_memory=True)
+    strategy = _strategy(option)
     make_trainer(strategy, 2, max_steps=STEPS).fit(module)
     return baseline, _status("VmHWM") - (_status("RssFile") - code)
 
@@ -138,6 +138,13 @@ class _StepPeak(pl.Callback):
             self.peak = _status("VmHWM")
 
 
+def _strategy(option: str) -> ZeroStrategy:
+    options = estimate.LAYOUTS[option].strategy_options()
+    if options["stage"] == 3:  # a stage-3 option: refused under stages 1 and 2
+        options["units"] = ("Block",)
+    return ZeroStrategy(**options, lean_memory=True)
+
+
 def _steady_step_peak(option: str) -> tuple[int, int]:
     """(baseline, the third step's peak) of this rank's resident memory."""
     gc.collect()
@@ -145,7 +152,7 @@ def _steady_step_peak(option: str) -> tuple[int, int]:
     baseline = _status("VmRSS")
     module = WideGPTModule()
     probe = _StepPeak()
-    strategy = ZeroStrategy(**estimate.LAYOUTS[option].strategy_options(), units=("Block",), lean_memory=True)
+    strategy = _strategy(option)
     make_trainer(strategy, 2, max_steps=STEPS, callbacks=[probe]).fit(module)
     return baseline, probe.peak
 

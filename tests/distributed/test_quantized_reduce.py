@@ -99,7 +99,8 @@ def _gpt(stage: int, quantize: str | None, steps: int = STEPS, seed: int = 3, pr
     if optimizer == "sgd":
         model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     log, recorder = StepBytes(), Recorder()
-    strategy = ZeroStrategy(stage, units=("Block",), quantize_grads=quantize, node_size=NODE, **options)
+    units = {"units": ("Block",)} if stage == 3 else {}  # a stage-3 option: refused under stages 1 and 2
+    strategy = ZeroStrategy(stage, **units, quantize_grads=quantize, node_size=NODE, **options)
     trainer = make_trainer(strategy, WORLD, max_steps=steps, callbacks=[log, recorder], precision=precision,
                            **(trainer_options or {}))
     trainer.fit(model, train_dataloaders=_patterns())

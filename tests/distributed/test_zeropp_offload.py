@@ -100,7 +100,8 @@ def _fit(stage: int, zeropp: str, offload: str | None, root: Path, single_tensor
     if offload == "disk":
         options["offload_dir"] = str(root)
     log, recorder = StepLog(), Recorder()
-    strategy = ZeroStrategy(stage, units=("Block",), node_size=NODE, **options)
+    units = {"units": ("Block",)} if stage == 3 else {}  # a stage-3 option: refused under stages 1 and 2
+    strategy = ZeroStrategy(stage, **units, node_size=NODE, **options)
     trainer = make_trainer(strategy, WORLD, max_steps=STEPS, callbacks=[log, recorder], gradient_clip_val=CLIP,
                            precision=precision)
     trainer.fit(model, train_dataloaders=pattern_loader(GPT.vocab_size, GPT.seq_len, rows=128))

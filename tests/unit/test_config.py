@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+import dataclasses
 import re
+import warnings
+
+import lightning.pytorch as pl
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroConfigError, ZeroStrategy
+from lightning_zero.config import Stage3Config
 from lightning_zero.precision import ZeroPrecision
 
 
@@ -136,6 +140,28 @@ def test_composite_backends_and_policy_sets_are_accepted_as_lightning_takes_them
     assert strategy.config.activation_checkpointing_policy == (torch.nn.Linear,)
     with pytest.raises(ZeroConfigError, match="activation_checkpointing_policy"):
         ZeroStrategy(stage=3, activation_checkpointing_policy={torch.nn.Linear, 3})
+
+
+#: A value away from the default of every option of stage 3 (``Stage3Config``).
+STAGE3_VALUES = {"units": ("Block",), "unit_mb": 8.0, "prefetch": 2, "reshard_after_forward": False,
+                 "verify_unit_order": False, "buffer_pool_mb": 0, "quantize_weights": True}
+
+
+def test_every_stage3_option_is_refused_under_stages_1_and_2() -> None:
+    """Refused when the strategy is built, one line naming the option, its value and the stage it needs: not warned
+    and ignored, as they were (a run would train without what its configuration says)."""
+    assert set(STAGE3_VALUES) == {f.name for f in dataclasses.fields(Stage3Config)}
+    for stage in (1, 2):
+        for name, value in STAGE3_VALUES.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # refused, not warned
+                with pytest.raises(ZeroConfigError) as raised:
+                    ZeroStrategy(stage=stage, **{name: value})
+            message = str(raised.value)
+            assert message.startswith(f"{name}={value!r} needs stage=3 (") and message.endswith(f"got stage={stage}")
+            assert "\n" not in message
+    assert ZeroStrategy(stage=3, **STAGE3_VALUES).config.stage3 == Stage3Config(**STAGE3_VALUES)
+    assert ZeroStrategy(stage=2, **{k: getattr(Stage3Config(), k) for k in STAGE3_VALUES}).config.stage == 2
 
 
 ZEROPP_OPTIONS = [{"hpz_group_size": 2}, {"quantize_weights": True}, {"quantize_grads": "int4"},

@@ -135,7 +135,8 @@ def _blamed(options: dict[str, tuple[Any, bool]]) -> set[str]:
         ({"offload_params", "offload_optimizer"}, value["offload_params"] is not None
          and (value["offload_optimizer"] is None or value["offload_params"] == "disk" != value["offload_optimizer"])),
         ({"offload_params", "stage"}, value["offload_params"] is not None and value["stage"] != 3),
-        ({"quantize_weights", "stage"}, value["quantize_weights"] is True and value["stage"] != 3),
+        *[({name, "stage"}, value["stage"] != 3 and _stored(value[name]) != default)
+          for name, default in STAGE3_DEFAULTS.items()],
         ({"hpz_group_size", "stage", "reshard_after_forward", "shard_group_size"},
          value["hpz_group_size"] is not None and _hpz_refused(value)),
         ({"quantize_grads", "shard_group_size"}, value["quantize_grads"] is not None
@@ -144,6 +145,11 @@ def _blamed(options: dict[str, tuple[Any, bool]]) -> set[str]:
          and not value["heartbeat_s"] < value["failure_timeout_s"]),
     ]
     return bad.union(*(names for names, broken in rules if broken and not names & bad))
+
+
+#: Stage 3's options (``Stage3Config``) with their defaults: set to anything else under stage 1 or 2, refused.
+STAGE3_DEFAULTS = {"units": (), "unit_mb": 16.0, "prefetch": 1, "reshard_after_forward": True,
+                   "verify_unit_order": True, "buffer_pool_mb": None, "quantize_weights": False}
 
 
 def _hpz_refused(value: dict[str, Any]) -> bool:
@@ -166,8 +172,8 @@ def _stored(value: Any) -> Any:
 
 def _outcome(build, values: dict[str, Any]) -> Any:
     try:
-        with warnings.catch_warnings():  # stage-3 options under stage 1 or 2 warn that they are ignored
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an option is accepted or refused, never warned about
             return build(**values)
     except (ZeroConfigError, TypeError) as err:
         return err
