@@ -128,8 +128,9 @@ class Stage3Config:
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per
             unit collective (through shared memory where the ranks share a host), waited for before issuing only
             where a rank leaves the sequence of the steps before.
-        buffer_pool_mb: on a host (not on CUDA, whose caching allocator reuses memory already), the gather and
-            reduction buffers kept across units hold at most this many MiB, and are kept from step to step too;
+        buffer_pool_mb: on a host, the gather and reduction buffers kept across units hold at most this many MiB,
+            and are kept from step to step too (on CUDA, whose caching allocator reuses memory already, no pool is
+            kept, and a number given is refused at setup);
             ``None`` (default): twice the largest unit's buffer (the root unit, gathered once a step, not counted),
             handed back at the end of each step where the run's memory is lean (``lean_memory``), so that a rank
             holds 16Ψ/N between steps, kept otherwise; 0 keeps none. Counted in ``model_state_bytes()`` as

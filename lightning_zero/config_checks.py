@@ -55,6 +55,17 @@ def refuse_stage3_options(stage: int, options: Any, defaults: Any) -> None:
             raise ZeroConfigError(f"{f.name}={value!r} needs stage=3 ({STAGE3_ONLY[f.name]}), got stage={stage}")
 
 
+def refuse_on_device(buffer_pool_mb: float | None, device: Any) -> None:
+    """What means nothing on the run's ``device``, which is known only at setup: refused there, on every rank, before
+    anything is sharded. ``buffer_pool_mb`` on CUDA, whose caching allocator reuses freed buffers already, so that no
+    pool is kept there (sharding/in_flight.py, [Note: what the buffer pools keep, and where])."""
+    if buffer_pool_mb is not None and device.type == "cuda":
+        raise ZeroConfigError(
+            f"buffer_pool_mb={buffer_pool_mb!r} is invalid on {device}: CUDA's caching allocator reuses freed buffers "
+            "and no pool is kept there; leave it null (the default) on CUDA"
+        )
+
+
 def check_launch_settings(start_method: Any = None, process_group_backend: Any = None, timeout: Any = None) -> None:
     """The launch settings ``ZeroStrategy`` passes on to Lightning and ``torch.distributed``, checked where they are
     given: both accept bad values and fail later, inside every rank (an unknown backend, a timeout in seconds)."""

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.hooks import ShardedCheckpointHooks
 from lightning_zero.config import SUPPORTED_STAGES, ZeroConfig, option_defaults
-from lightning_zero.config_checks import check_launch_settings
+from lightning_zero.config_checks import check_launch_settings, refuse_on_device
 from lightning_zero.evaluation_hooks import EvaluationHooks
 from lightning_zero.failure_hooks import FailureHooks
 from lightning_zero.host_math import settle_mkl_dispatch
@@ -201,6 +201,7 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         assert self.accelerator is not None and self.model is not None
         self._communicating = False
         refuse_unsupported(self.model)
+        refuse_on_device(self.config.stage3.buffer_pool_mb, self.root_device)
         self.topology()  # a shard_group_size or node_size that does not divide the world fails here, on every rank
         self._communicating = True  # from here on an error may leave collectives without a counterpart
         self._start_watchdog()

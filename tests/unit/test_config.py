@@ -164,6 +164,27 @@ def test_every_stage3_option_is_refused_under_stages_1_and_2() -> None:
     assert ZeroStrategy(stage=2, **{k: getattr(Stage3Config(), k) for k in STAGE3_VALUES}).config.stage == 2
 
 
+def test_buffer_pool_mb_is_refused_on_cuda_at_setup_before_anything_changes(monkeypatch) -> None:
+    """CUDA keeps no buffer pool (its caching allocator reuses freed buffers), so a size given there would be
+    ignored: refused once the device is known, first thing in setup, on every rank alike (CUDA faked, as in
+    test_launcher_cuda.py)."""
+    from tests.unit.test_launcher_cuda import UninitializedCuda
+
+    cuda = UninitializedCuda(monkeypatch)
+    trainer = pl.Trainer(strategy=ZeroStrategy(stage=3, buffer_pool_mb=8.0, start_method="fork"), accelerator="cuda",
+                         devices=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    strategy = trainer.strategy
+    strategy.model = model = torch.nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    message = ("buffer_pool_mb=8.0 is invalid on cuda:0: CUDA's caching allocator reuses freed buffers and no pool is "
+               "kept there; leave it null (the default) on CUDA")
+    with pytest.raises(ZeroConfigError, match=f"^{re.escape(message)}$"):
+        strategy.setup(trainer)
+    assert strategy._runtime is None and strategy._watchdog is None and not strategy._communicating
+    assert all(torch.equal(p, b) and p.device.type == "cpu" for p, b in zip(model.parameters(), before))
+    assert cuda.initializing == []
+
+
 ZEROPP_OPTIONS = [{"hpz_group_size": 2}, {"quantize_weights": True}, {"quantize_grads": "int4"},
                   {"hpz_group_size": 2, "quantize_weights": True, "quantize_grads": "int8"}]
 OFFLOAD_OPTIONS = [{"offload_optimizer": "cpu"}, {"offload_optimizer": "cpu", "offload_params": "cpu"},
