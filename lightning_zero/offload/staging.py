@@ -21,15 +21,22 @@ CPU run executes the pipeline, its placement and its arithmetic exactly as a GPU
 Host memory offload keeps for moving data (gradient staging, updated rows, disk offload's sub-group buffers) is one
 allocation per purpose (``HostArena``), sized from the plan when the offload is set up, carved into views and reused
 every step, and counted in ``model_state_bytes()`` as ``buffers``. Where a CUDA device exists it is page-locked by
-registering that one allocation with CUDA (``cudaHostRegister``), at its exact size: torch's caching host allocator,
-behind ``pin_memory=True``, rounds every request up to a power of two and keeps freed blocks for the rest of the
-process, which would hold up to twice the pinned memory offload needs, and keep set-up's transient buffers locked for
-the whole run. Views start on 4 KiB boundaries (pages: what direct I/O and DMA want).
+registering it with CUDA (``cudaHostRegister``), at its size in whole pages: torch's caching host allocator, behind
+``pin_memory=True``, rounds every request up to a power of two and keeps freed blocks for the rest of the process,
+which would hold up to twice the pinned memory offload needs, and keep set-up's transient buffers locked for the whole
+run. Views start on 4 KiB boundaries (what direct I/O and DMA want).
+
+CUDA locks whole pages, and refuses to register a range that overlaps one registered already. The heap places small
+allocations side by side, so two small arenas registered as allocated (from their first byte to their last) would
+share a page, and the second registration would fail. So an arena allocates a page more than its pages
+(``allocation_bytes``) and registers only the whole pages inside its allocation, from the first page boundary on
+(``locked_range``): no other allocation has a byte in them.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,8 +47,24 @@ from torch import Tensor
 ALIGNMENT = 4096
 
 
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+#: What ``cudaHostRegister`` locks whole: the host's page (see [Note: host arenas]).
+PAGE = max(ALIGNMENT, mmap.PAGESIZE)
+
+
+def aligned(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+def allocation_bytes(nbytes: int, page: int = PAGE) -> int:
+    """What an arena of ``nbytes`` allocates: its whole pages, and one more so that they can start on a page boundary
+    wherever the allocator put them."""
+    return aligned(nbytes, page) + page if nbytes else 0
+
+
+def locked_range(address: int, nbytes: int, page: int = PAGE) -> tuple[int, int]:
+    """Where an arena of ``nbytes`` starts in its allocation (``allocation_bytes``) at ``address``, and how many
+    bytes from there it page-locks: whole pages covering the arena, every one inside the allocation."""
+    return (-address) % page, aligned(nbytes, page)
 
 
 @dataclass(frozen=True)
@@ -73,12 +96,11 @@ class HostArena:
     def __init__(self, purpose: str, nbytes: int, pinned: bool) -> None:
         self.purpose = purpose
         self.pinned = pinned and nbytes > 0
-        # One byte more than a page so that the first view can start on a page boundary, whatever the allocator gave.
-        self._memory = torch.empty(nbytes + ALIGNMENT if nbytes else 0, dtype=torch.uint8)
-        self._start = (-self._memory.data_ptr()) % ALIGNMENT if nbytes else 0
+        self._memory = torch.empty(allocation_bytes(nbytes), dtype=torch.uint8)
+        self._start, self._locked = locked_range(self._memory.data_ptr(), nbytes)
         self.nbytes = nbytes
         if self.pinned:
-            _register(self._memory)
+            _register(self._memory.data_ptr() + self._start, self._locked)
 
     def view(self, slot: Slot) -> Tensor:
         """The tensor at ``slot`` (a view of the arena: writing it writes the arena)."""
@@ -94,20 +116,20 @@ class HostArena:
 
     def close(self) -> None:
         if self.pinned:
-            _unregister(self._memory)
+            _unregister(self._memory.data_ptr() + self._start)
             self.pinned = False
         self._memory = torch.empty(0, dtype=torch.uint8)
         self.nbytes = 0
 
 
-def _register(memory: Tensor) -> None:
-    error = int(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 1))  # portable
+def _register(address: int, nbytes: int) -> None:
+    error = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))  # portable
     if error != 0:
-        raise RuntimeError(f"page-locking {memory.numel()} bytes of host memory for offload failed (CUDA error {error})")
+        raise RuntimeError(f"page-locking {nbytes} bytes of host memory for offload failed (CUDA error {error})")
 
 
-def _unregister(memory: Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
+def _unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 class Ticket:

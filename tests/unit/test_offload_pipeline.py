@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_zero.offload.host import HostOffload
-from lightning_zero.offload.staging import ALIGNMENT, HostArena, aligned
+from lightning_zero.offload.staging import PAGE, HostArena, aligned, allocation_bytes, locked_range
 from lightning_zero.sharding.flat_param import shard_parameters
 from lightning_zero.sharding.optimizer import ShardedOptimizer
 
@@ -137,28 +137,70 @@ def _arena_range(offload: HostOffload):
     return Within()
 
 
-def test_a_pinned_arena_is_registered_with_cuda_once_at_its_exact_size(monkeypatch) -> None:
-    calls = []
+class _RecordingRuntime:
+    """``torch.cuda.cudart()`` without a GPU: records the calls, and refuses a registration that overlaps a page
+    registered already, as CUDA does (cudaErrorHostMemoryAlreadyRegistered)."""
 
-    class Runtime:
-        def cudaHostRegister(self, pointer, size, flags):
-            calls.append(("register", pointer, size))
-            return 0
+    ALREADY_REGISTERED = 712
 
-        def cudaHostUnregister(self, pointer):
-            calls.append(("unregister", pointer))
-            return 0
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.pages: dict[int, set[int]] = {}
 
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    def cudaHostRegister(self, pointer, size, flags):
+        self.calls.append(("register", pointer, size))
+        pages = set(range(pointer // PAGE, -(-(pointer + size) // PAGE)))
+        if any(pages & held for held in self.pages.values()):
+            return self.ALREADY_REGISTERED
+        self.pages[pointer] = pages
+        return 0
+
+    def cudaHostUnregister(self, pointer):
+        self.calls.append(("unregister", pointer))
+        del self.pages[pointer]
+        return 0
+
+
+def test_a_pinned_arena_registers_whole_pages_of_its_own_once(monkeypatch) -> None:
+    runtime = _RecordingRuntime()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
     arena = HostArena("gradient shards", 10_000, pinned=True)
     storage = arena.storage()
-    assert calls == [("register", storage.data_ptr(), 10_000 + ALIGNMENT)]  # not rounded up to a power of two
-    view = arena.view(_slot(5000))
-    assert view.data_ptr() % ALIGNMENT == 0
+    ((_, pointer, size),) = runtime.calls
+    assert pointer % PAGE == 0 and size == aligned(10_000) < 2 ** 14  # whole pages; not rounded up to a power of 2
+    assert storage.data_ptr() <= pointer and pointer + size <= storage.data_ptr() + storage.numel()
+    view = arena.view(_slot(10_000))
+    assert view.data_ptr() == pointer  # the arena is the registered pages
     arena.close()
-    assert calls[-1] == ("unregister", storage.data_ptr())
+    assert runtime.calls[-1] == ("unregister", pointer)
     with pytest.raises(ValueError, match="passes the arena's"):
         HostArena("small", 100, pinned=False).view(_slot(200))
+
+
+def test_small_pinned_arenas_never_register_a_page_twice(monkeypatch) -> None:
+    runtime = _RecordingRuntime()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    arenas = [HostArena(f"arena {i}", nbytes, pinned=True) for i, nbytes in enumerate([100, 1, 4000, PAGE, 300] * 4)]
+    assert len(runtime.pages) == len(arenas)  # every registration succeeded: no page shared
+    for arena in arenas:
+        arena.close()
+    assert runtime.pages == {}
+
+
+@pytest.mark.parametrize("page", [4096, 65536])
+def test_the_locked_range_is_whole_pages_inside_the_allocation_covering_the_arena(page) -> None:
+    for nbytes in (1, 100, page - 1, page, page + 1, 3 * page + 17):
+        allocated = allocation_bytes(nbytes, page)
+        for address in (0, 16, 64, page - 8, page, 5 * page + 4032):
+            start, locked = locked_range(address, nbytes, page)
+            assert (address + start) % page == 0 and locked % page == 0
+            assert start + locked <= allocated  # no page of a neighbouring allocation
+            assert locked >= nbytes  # covers the arena
+    # Two allocations side by side (the second right after the first, as a heap places small blocks): their pages
+    # are disjoint.
+    first, second = 1000, 1000 + allocation_bytes(100, page)
+    (s1, n1), (s2, n2) = locked_range(first, 100, page), locked_range(second, 100, page)
+    assert first + s1 + n1 <= second + s2
 
 
 def _slot(nbytes: int):
