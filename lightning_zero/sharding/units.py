@@ -19,8 +19,11 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+
+
+#: Module classes an error about ``units`` names at most.
+SHOWN_CLASSES = 16
 
 
 @dataclass(eq=False)
@@ -86,21 +89,21 @@ def _matches(module: nn.Module, name: str, patterns: tuple[str, ...], matched: s
 
 
 def _check_all_matched(root: nn.Module, units: tuple[str, ...], matched: set[str]) -> None:
-    """An entry of ``units`` that names no module is a typo to report, not a silent whole-model unit."""
+    """An entry of ``units`` that names no module is a typo to refuse, each one: alone it would make the whole model
+    one unit, gathered at once; beside entries that match, the modules it meant would silently join their parent's
+    unit."""
     for name, module in root.named_modules():  # entries matching only modules without own parameters
         if name:
             _matches(module, name, units, matched)
     unmatched = [u for u in units if u not in matched]
     if not unmatched:
         return
-    classes = sorted({type(m).__name__ for m in root.modules() if any(True for _ in m.parameters(recurse=False))})
-    message = (
-        f"units={list(units)}: {unmatched} match no module of {type(root).__name__} (classes with parameters here: "
-        f"{', '.join(classes[:12])}); give class names, qualified class names or module paths"
+    classes = sorted({type(m).__name__ for m in root.modules() if m is not root and any(True for _ in m.parameters())})
+    more = f" and {len(classes) - SHOWN_CLASSES} more" if len(classes) > SHOWN_CLASSES else ""
+    raise ValueError(
+        f"units={list(units)}: {unmatched} match no module of {type(root).__name__} (module classes with parameters "
+        f"here: {', '.join(classes[:SHOWN_CLASSES])}{more}); give class names, qualified class names or module paths"
     )
-    if len(unmatched) == len(units):  # the whole model would silently become one unit, gathered at once
-        raise ValueError(message)
-    rank_zero_warn(message)
 
 
 def _nbytes(params: list[nn.Parameter]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from torch import nn
 
 from lightning_zero.sharding.units import plan_units
@@ -42,3 +43,18 @@ def test_size_policy_makes_the_smallest_subtrees_that_reach_the_threshold() -> N
     assert root == ["1.weight", "1.bias"]
     every = sorted(root + [p for ps in units.values() for p in ps])
     assert every == sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("units,unmatched", [
+    (("Blok",), ["Blok"]),
+    (("Block", "Blok"), ["Blok"]),  # beside an entry that matches: it was only warned about, then ignored
+    (("LayerNorm", "lm.blocks.9", "tests.models.Block"), ["lm.blocks.9"]),
+])
+def test_every_units_entry_that_matches_no_module_is_refused_naming_it_and_the_classes(units, unmatched) -> None:
+    with pytest.raises(ValueError) as raised:
+        _plan(_lm(), units=units)
+    assert str(raised.value) == (
+        f"units={list(units)}: {unmatched} match no module of TinyLM (module classes with parameters here: Block, "
+        "Embedding, LayerNorm, Linear, ModuleDict, ModuleList, Sequential); give class names, qualified class names "
+        "or module paths"
+    )
