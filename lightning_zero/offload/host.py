@@ -56,6 +56,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_zero.offload.staging import HostArena, Slot, Ticket, Transfers, plan_slots
@@ -64,6 +65,31 @@ from lightning_zero.sharding.optimizer import ShardedOptimizer
 
 #: Optimizer classes with a fused CPU kernel in torch (``fused=True``).
 _FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+def _fused_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param groups of ``optimizer`` (a torch class with a fused CPU kernel) that chose no implementation."""
+    if type(optimizer).__name__ not in _FUSED_ON_CPU or "fused" not in optimizer.defaults:
+        return []
+    return [group for group in optimizer.param_groups if group.get("fused") is None
+            and group.get("foreach") is None and not group.get("differentiable")]
+
+
+@contextmanager
+def fused_on_host(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, ``optimizer``'s groups that chose no implementation step with torch's fused CPU kernel; on exit they
+    hold what the user gave again (``None``), so that the user's ``param_groups`` and checkpoints never change. A
+    group that chose (``fused`` or ``foreach`` given, ``False`` included) keeps its choice: ``foreach=False`` is
+    torch's single-tensor loop, which DDP runs on CPU tensors by default, and with it DDP's results to the bit; the
+    fused kernel rounds a few elements differently, by one ulp (0.75% of 10M AdamW elements after two steps)."""
+    groups = _fused_groups(optimizer)
+    for group in groups:
+        group["fused"], group["foreach"] = True, False
+    try:
+        yield
+    finally:
+        for group in groups:
+            group["fused"], group["foreach"] = None, None
 
 
 class HostOffload:
@@ -126,16 +152,15 @@ class HostOffload:
 
     @staticmethod
     def use_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
-        """Step on the host with torch's fused CPU kernel, unless the user chose an implementation (``fused`` or
-        ``foreach`` given, ``False`` included: ``foreach=False`` keeps torch's single-tensor loop, the implementation
-        DDP runs on CPU tensors by default, and with it DDP's results to the bit; the fused kernel rounds a few
-        elements differently, by one ulp: 0.75% of 10M AdamW elements after two steps)."""
-        if type(optimizer).__name__ not in _FUSED_ON_CPU or "fused" not in optimizer.defaults:
-            return
-        for group in [optimizer.defaults, *optimizer.param_groups]:
-            chosen = group.get("fused") is not None or group.get("foreach") is not None
-            if not chosen and not group.get("differentiable"):
-                group["fused"], group["foreach"] = True, False
+        """Say, in one info line on rank 0, that ``optimizer`` steps with torch's fused CPU kernel where the user chose
+        no implementation (see ``fused_on_host``); its ``param_groups`` stay as the user gave them."""
+        if _fused_groups(optimizer):
+            name = type(optimizer).__name__
+            rank_zero_info(
+                f"offload_optimizer: {name} steps on the host with torch's fused CPU kernel (fused=True, foreach=False "
+                f"for the step only; its param_groups keep fused=None, foreach=None): give {name}(foreach=False) for "
+                "DDP's single-tensor loop and its results to the bit, or fused=False"
+            )
 
     # ----------------------------------------------------------------------------------------------------- a step
 
@@ -161,7 +186,8 @@ class HostOffload:
                 if clip_value is not None:
                     torch._foreach_clamp_min_(grads, -clip_value)
                     torch._foreach_clamp_max_(grads, clip_value)
-                output = sharded.update(list(zip(group, grads)), only=group, **kwargs)
+                with fused_on_host(sharded.optimizer):
+                    output = sharded.update(list(zip(group, grads)), only=group, **kwargs)
                 pushed.append(self.push(group))
         self._end()
         self.transfers.wait_on_compute(pushed)

@@ -86,7 +86,7 @@ class Offload(Protocol):
         """Around packing ``shards`` for a unit's all-gather: the tensors to pack (``None``: their gather source)."""
 
     def use_fused_kernels(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step ``optimizer`` with torch's fused host kernel where the user chose none."""
+        """Say that ``optimizer`` steps with torch's fused host kernel where the user chose none (for the step only)."""
 
     def grad_storage(self) -> ShardStorage | None:
         """Where gradient shards live (``None``: in memory)."""

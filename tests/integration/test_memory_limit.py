@@ -84,7 +84,7 @@ def test_a_hugging_face_model_with_default_options_trains_under_the_limit(build:
     assert sorted(losses) == [0, 1] and all(len(v) == 2 for v in losses.values())
     if build == "eager":  # (built on the meta device, transformers' own init is not replayed: other weights)
         # The host steps with torch's fused AdamW, DDP with its foreach one: a few elements one ulp apart after the
-        # first step (offload/host.py, use_fused_kernels).
+        # first step (offload/host.py, fused_on_host).
         reference = ddp_losses("gpt2")
         assert [v[0] for v in losses.values()] == [v[0] for v in reference.values()]
         assert losses == {r: pytest.approx(v, rel=1e-6) for r, v in reference.items()}

@@ -9,11 +9,13 @@ own gradients only.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
 
-from lightning_zero.offload.host import HostOffload
+from lightning_zero.offload.host import HostOffload, fused_on_host
 from lightning_zero.offload.staging import PAGE, HostArena, aligned, allocation_bytes, locked_range
 from lightning_zero.sharding.flat_param import shard_parameters
 from lightning_zero.sharding.optimizer import ShardedOptimizer
@@ -231,13 +233,48 @@ def test_host_rows_a_gather_is_copying_are_not_rewritten_before_that_copy_ran() 
         assert torch.equal(shard.working, shard.local)  # and the rows hold the update afterwards
 
 
-def test_the_host_step_is_fused_unless_the_optimizer_names_its_implementation() -> None:
+def test_the_host_step_is_fused_unless_the_optimizer_names_its_implementation(caplog) -> None:
+    """Reported in one info line, applied for the step only: the user's param_groups stay as given (they were
+    rewritten to fused=True, foreach=False, which checkpoints then saved)."""
     params = [torch.nn.Parameter(torch.zeros(3))]
     default = torch.optim.AdamW(params)
-    HostOffload.use_fused_kernels(default)
-    assert default.param_groups[0]["fused"] is True and default.param_groups[0]["foreach"] is False
+    given = [dict(group) for group in default.param_groups]
+    seen = []
+    default.step = lambda: seen.append((default.param_groups[0]["fused"], default.param_groups[0]["foreach"]))
+    with caplog.at_level(logging.INFO):
+        HostOffload.use_fused_kernels(default)
+    assert [r.getMessage() for r in caplog.records] == [
+        "offload_optimizer: AdamW steps on the host with torch's fused CPU kernel (fused=True, foreach=False for the "
+        "step only; its param_groups keep fused=None, foreach=None): give AdamW(foreach=False) for DDP's "
+        "single-tensor loop and its results to the bit, or fused=False"
+    ]
+    assert default.param_groups == given and default.defaults["fused"] is None
+    with fused_on_host(default):
+        default.step()
+    assert seen == [(True, False)] and default.param_groups == given
+    caplog.clear()
     for chosen in (dict(foreach=False), dict(foreach=True), dict(fused=False)):
         optimizer = torch.optim.AdamW(params, **chosen)
-        before = dict(optimizer.param_groups[0])
-        HostOffload.use_fused_kernels(optimizer)
-        assert optimizer.param_groups[0] == before, chosen  # foreach=False keeps DDP's single-tensor loop
+        before = [dict(group) for group in optimizer.param_groups]
+        with caplog.at_level(logging.INFO):
+            HostOffload.use_fused_kernels(optimizer)
+        with fused_on_host(optimizer):
+            assert optimizer.param_groups == before, chosen  # foreach=False keeps DDP's single-tensor loop
+    assert caplog.records == []  # nothing to report where the user chose
+
+def test_an_offloaded_fit_steps_fused_and_leaves_the_users_param_groups_as_given(monkeypatch) -> None:
+    """One rank in this process, host offload: every step runs torch's fused AdamW kernel, and after fit the
+    optimizer's groups (and so its state_dict) hold the fused=None, foreach=None the user gave."""
+    from lightning_zero import ZeroStrategy
+    from tests.models import ParityModel, make_trainer
+
+    fused_calls = []
+    kernel = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (fused_calls.append(1), kernel(*a, **k))[1])
+    model = ParityModel("adamw")
+    trainer = make_trainer(ZeroStrategy(stage=2, offload_optimizer="cpu"), 1, max_steps=3)
+    trainer.fit(model)
+    optimizer = trainer.optimizers[0]
+    assert len(fused_calls) == 3
+    assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [(None, None)]
+    assert optimizer.defaults["fused"] is None
