@@ -127,7 +127,8 @@ class Stage3Config:
             same unit, so control flow that differs between ranks fails at once naming both units, instead of
             aborting (gloo) or hanging until the process-group timeout (NCCL). Costs one tiny host-side exchange per
             unit collective (through shared memory where the ranks share a host), waited for before issuing only
-            where a rank leaves the sequence of the steps before.
+            where a rank leaves the sequence of the steps before. A model of more units than the shared-memory board
+            names (``MAX_UNITS`` in sharding/unit_order.py) checks over the gloo control channel, said in one warning.
         buffer_pool_mb: on a host, the gather and reduction buffers kept across units hold at most this many MiB,
             and are kept from step to step too (on CUDA, whose caching allocator reuses memory already, no pool is
             kept, and a number given is refused at setup);
