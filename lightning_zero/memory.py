@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -111,8 +112,11 @@ def give_back_freed_memory() -> None:
         trim(0)
 
 
-#: glibc's ``mallopt`` parameters (malloc.h): the mmap and trim thresholds.
+#: glibc's ``mallopt`` parameters (malloc.h): the mmap and trim thresholds, by name.
 _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
+_NAMES = {_M_MMAP_THRESHOLD: "M_MMAP_THRESHOLD", _M_TRIM_THRESHOLD: "M_TRIM_THRESHOLD"}
+#: Both thresholds' value when glibc starts, unless the environment sets them (mallopt(3)).
+_GLIBC_DEFAULT = 128 << 10
 #: The mmap threshold of a lean run (and of disk offload).
 LARGE_BLOCK_BYTES = 1 << 20
 #: The mmap threshold of a fast run: the ceiling glibc raises its own threshold to (64-bit), as large blocks are freed.
@@ -140,7 +144,7 @@ def return_large_blocks_at_once() -> bool:
     the threshold at 1 MiB when it sets up, and so does ZeroStrategy's setup wherever the training device is the CPU
     under stage 3 or an optimizer offload and the run holds lean, its model states a large share of the host budget
     ([Note: lean or fast memory] in memory_policy.py): such runs hold what the formulas say, for that cost
-    (process-wide, for the rest of the process; zero1 and zero2 without offload keep glibc's default, as DDP runs
+    (process-wide, until ZeroStrategy's teardown; zero1 and zero2 without offload keep glibc's default, as DDP runs
     with it; on a GPU the model's memory is the device's and nothing changes).
 
     Left to glibc, a fast run (not lean) still gave pages back: glibc cuts its heap's top back to the system whenever
@@ -150,8 +154,15 @@ def return_large_blocks_at_once() -> bool:
     setup is done, fixes the mmap threshold at ``HEAP_BLOCK_BYTES`` (where glibc's own would end up) and stops the
     trimming (``keep_freed_blocks``, from memory_policy.before_steps): no page faults in the steady steps, 310 ->
     296 ms a step (0.76x -> 0.73x Lightning FSDP2's, which the same setting leaves unchanged), training peak 252.4
-    -> 254.9 MB. The heap then holds the largest step's memory until the process ends, as a fast run's buffers are
-    held. Both return whether the C library has ``mallopt``.
+    -> 254.9 MB. The heap then holds the largest step's memory until teardown, as a fast run's buffers are held.
+    Both return whether the C library has ``mallopt``.
+
+    The settings are the process's, not the run's: ZeroStrategy's teardown gives them back the values glibc started
+    with (``restore_glibc_heap``), and the run report names them while they hold (``glibc_heap_settings``). glibc
+    has no getter for them, so the values restored are those it documents (128 KiB each) or the ones the
+    environment gave it (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``). What cannot be
+    restored is glibc's moving threshold: any ``mallopt`` of either threshold fixes both for good, so after a run the
+    mmap threshold stays at its starting value instead of rising with large frees.
     """
     return _mallopt((_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
 
@@ -168,7 +179,39 @@ def _mallopt(*settings: tuple[int, int]) -> bool:
     if mallopt is None:
         return False
     took = [bool(mallopt(param, value)) for param, value in settings]  # every one set, whatever an earlier returned
+    _made.update((param, value) for (param, value), ok in zip(settings, took) if ok)
     return all(took)
+
+
+#: The ``mallopt`` settings this process made and has not restored, by parameter: the latest value of each.
+_made: dict[int, int] = {}
+
+
+def glibc_heap_settings() -> dict[str, int]:
+    """The ``mallopt`` settings in effect that this library made (see [Note: glibc's heap and a memory limit]), by
+    name, until ``restore_glibc_heap``."""
+    return {_NAMES[param]: value for param, value in _made.items()}
+
+
+def restore_glibc_heap() -> None:
+    """Give every ``mallopt`` setting this library made the value glibc started the process with (see [Note: glibc's
+    heap and a memory limit])."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is not None:
+        for param in _made:
+            mallopt(param, _started_with(param))
+    _made.clear()
+
+
+def _started_with(param: int) -> int:
+    """The value of ``param`` glibc started with: the environment's where it gave one, else glibc's default."""
+    name = _NAMES[param].removeprefix("M_").lower()
+    tunables = dict(item.partition("=")[::2] for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
+    given = tunables.get(f"glibc.malloc.{name}") or os.environ.get(f"MALLOC_{name.upper()}_")
+    try:
+        return int(given, 0) if given else _GLIBC_DEFAULT
+    except ValueError:  # glibc ignores a value it cannot read, too
+        return _GLIBC_DEFAULT
 
 
 _MADV_DONTNEED = 4  # unmap these pages from this process (a file mapping's: read again from the file if touched)

@@ -71,7 +71,7 @@ def memory_budget(device: torch.device, local_ranks: int) -> int:
 def lean_config(config: ZeroConfig, module: nn.Module, comms: Collectives, precision: str,
                 local_ranks: int) -> ZeroConfig:
     """``config`` with ``lean_memory`` decided (see [Note: lean or fast memory]); a lean run on a CPU device under
-    stage 3 or an optimizer offload fixes glibc's mmap threshold from here on, its setup included."""
+    stage 3 or an optimizer offload fixes glibc's mmap threshold from here until teardown, its setup included."""
     lean = resolve_lean(config, module, comms, precision, local_ranks)
     if lean and _sets_glibc_heap(config, comms):
         return_large_blocks_at_once()  # see [Note: glibc's heap and a memory limit] in memory.py
@@ -80,7 +80,7 @@ def lean_config(config: ZeroConfig, module: nn.Module, comms: Collectives, preci
 
 def before_steps(config: ZeroConfig, comms: Collectives) -> None:
     """Once setup is done and has given its freed memory back: a fast run (``config`` from ``lean_config``) on a CPU
-    device under stage 3 or an optimizer offload keeps glibc's heap from here on ([Note: glibc's heap and a memory
+    device under stage 3 or an optimizer offload keeps glibc's heap until teardown ([Note: glibc's heap and a memory
     limit] in memory.py). Not during setup, which builds a model one module at a time and keeps each one's rows: with
     the heap kept there its peak rose from under a shard and three layers to 1.4x that (tests/distributed/
     test_large_init.py)."""

@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_zero.host_memory import host_memory
-from lightning_zero.memory import ModelStateBytes, model_state_bytes
+from lightning_zero.memory import ModelStateBytes, glibc_heap_settings, model_state_bytes
 from lightning_zero.memory_policy import describe
 from lightning_zero.monitor_report import (
     CompileStats,
@@ -170,6 +170,7 @@ class ZeroMonitor(pl.Callback):
         compiled = CompileStats.between(*self._compiles, compile_counts()) if len(self._compiles) == 2 else None
         self.summary = dataclasses.replace(_summarize(trainer, pl_module, self._held, self._steps, self._unit),
                                            host_budget=self._host_budget, memory_mode=_memory_mode(trainer),
+                                           glibc_heap=glibc_heap_settings() or None,
                                            optimizer_per_rank=self._owned_state, compiled=compiled)
         self._write_summary()
 

@@ -89,6 +89,9 @@ class MonitorSummary:
     offload_subgroups: str | None = None
     #: Whether the run held lean or fast between steps, and why (memory_policy.py, [Note: lean or fast memory]).
     memory_mode: str | None = None
+    #: The ``mallopt`` settings the run made, by name (``None``: glibc's own): process-wide until teardown (memory.py,
+    #: [Note: glibc's heap and a memory limit]).
+    glibc_heap: dict[str, int] | None = None
     #: What torch.compile did during fit (``None``: nothing was compiled): see [Note: what the report says of
     #: torch.compile].
     compiled: CompileStats | None = None
@@ -185,6 +188,9 @@ def format_report(s: MonitorSummary) -> str:
         lines.append(f"  host budget as training started: {s.host_budget}")
     if s.memory_mode is not None:
         lines.append(f"  memory between steps: {s.memory_mode}")
+    if s.glibc_heap:
+        settings = ", ".join(f"{name}={value}" for name, value in s.glibc_heap.items())
+        lines.append(f"  glibc's heap (mallopt, process-wide until teardown): {settings}")
     if s.offload_subgroups is not None:
         lines.append(f"  disk offload: {s.offload_subgroups}")
     if s.throughput is not None:

@@ -46,6 +46,7 @@ from lightning_zero.memory import (
     ModelStateBytes,
     give_back_freed_memory,
     model_state_bytes,
+    restore_glibc_heap,
 )
 from lightning_zero.memory_policy import before_steps, lean_config
 from lightning_zero.offload import make_offload
@@ -421,6 +422,7 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
             super().teardown()
         finally:
             self._stop_watchdog()
+            restore_glibc_heap()  # the run's mallopt settings are the process's (memory.py)
 
     @classmethod
     @override

@@ -3,15 +3,21 @@ the rank's budget, the largest over the ranks, and set where asked."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
 from torch import nn
 
-from lightning_zero import memory, memory_policy
+from lightning_zero import ZeroStrategy, memory, memory_policy, monitor
 from lightning_zero.config import ZeroConfig
 from lightning_zero.memory_policy import (
     LEAN_SHARE, before_steps, describe, lean_config, model_state_share, resolve_lean,
 )
+from lightning_zero.monitor import MonitorSummary, ZeroMonitor, format_report
+from tests.unit.test_monitor import SUMMARY
 
 
 class _Ranks:
@@ -102,6 +108,18 @@ class _Libc:
 
 
 M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1  # malloc.h
+GLIBC_DEFAULT = 128 << 10  # mallopt(3): both thresholds
+
+
+@pytest.fixture
+def libc(monkeypatch) -> _Libc:
+    """A recording C library, and a process that has changed no ``mallopt`` setting yet."""
+    recording = _Libc()
+    monkeypatch.setattr(memory, "_libc", lambda: recording)
+    monkeypatch.setattr(memory, "_made", {})
+    for name in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    return recording
 
 
 @pytest.mark.parametrize(("options", "lean", "settings"), [
@@ -114,12 +132,51 @@ M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1  # malloc.h
     (dict(stage=2), True, []),
     (dict(stage=2), False, []),
 ])
-def test_each_side_sets_glibcs_heap_up_on_a_cpu_device(monkeypatch, options, lean, settings):
-    libc = _Libc()
-    monkeypatch.setattr(memory, "_libc", lambda: libc)
+def test_each_side_sets_glibcs_heap_up_on_a_cpu_device(libc, options, lean, settings):
     config = lean_config(ZeroConfig.from_options(lean_memory=lean, **options), MODEL, _Ranks(None), "32-true", 2)
     assert config.lean_memory is lean
     # the lean side's threshold holds through setup; the fast side keeps the heap only once setup is done
     assert libc.settings == (settings if lean else [])
     before_steps(config, _Ranks(None))
     assert libc.settings == settings
+
+
+def _fast_zero3_set_up() -> None:
+    config = lean_config(ZeroConfig.from_options(stage=3, lean_memory=False), MODEL, _Ranks(None), "32-true", 2)
+    before_steps(config, _Ranks(None))
+
+
+def _torn_down() -> None:
+    strategy = ZeroStrategy(stage=3, accelerator=CPUAccelerator(), cluster_environment=LightningEnvironment())
+    strategy.teardown()
+
+
+def test_teardown_gives_glibc_back_the_values_it_started_with(libc):
+    _fast_zero3_set_up()
+    made = len(libc.settings)
+    _torn_down()
+    assert libc.settings[made:] == [(M_MMAP_THRESHOLD, GLIBC_DEFAULT), (M_TRIM_THRESHOLD, GLIBC_DEFAULT)]
+    assert memory.glibc_heap_settings() == {}
+    _torn_down()  # nothing set since: nothing restored again
+    assert len(libc.settings) == made + 2
+
+
+def test_teardown_restores_what_the_environment_gave_glibc(libc, monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold=262144")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
+    _fast_zero3_set_up()
+    memory.restore_glibc_heap()
+    assert libc.settings[-2:] == [(M_MMAP_THRESHOLD, 262144), (M_TRIM_THRESHOLD, 1000000)]
+
+
+def test_the_run_report_names_the_settings(libc, monkeypatch):
+    _fast_zero3_set_up()
+    run = ZeroMonitor()
+    run._steps, run._held = [None], (0,) * 6  # a finished run, as far as on_train_end looks
+    monkeypatch.setattr(monitor, "_summarize", lambda *args: SUMMARY)
+    run.on_train_end(SimpleNamespace(strategy=SimpleNamespace()), None)
+    assert run.summary.glibc_heap == {"M_MMAP_THRESHOLD": 32 << 20, "M_TRIM_THRESHOLD": 2**31 - 1}
+    assert MonitorSummary.from_json(run.summary.to_json()) == run.summary
+    assert "  glibc's heap (mallopt, process-wide until teardown): M_MMAP_THRESHOLD=33554432, " \
+           "M_TRIM_THRESHOLD=2147483647" in format_report(run.summary).splitlines()
+    assert "glibc" not in format_report(SUMMARY)  # none set: no line
