@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_zero import estimate, link_model
 from lightning_zero.config import SUPPORTED_STAGES
+from lightning_zero.config_checks import first_line
 from lightning_zero.host_memory import HostMemory, host_memory
 
 if TYPE_CHECKING:
@@ -290,8 +291,6 @@ def run_devices(accelerator: str, devices: Any) -> list[int]:
     import torch
     from lightning.fabric.accelerators.cpu import _parse_cpu_cores
     from lightning.fabric.utilities.device_parser import _parse_gpu_ids
-
-    from lightning_zero.cli.errors import first_line
 
     on_cuda = _on_cuda(accelerator)
     count = (torch.cuda.device_count() if on_cuda else 1) if str(devices) == "auto" else devices

@@ -115,3 +115,9 @@ def check_optional_bool(config: Any, *names: str) -> None:
 def check_names(name: str, value: Any) -> None:
     if isinstance(value, str) or not isinstance(value, tuple) or not all(isinstance(u, str) and u for u in value):
         raise ZeroConfigError(f"{name}={value!r} is invalid: it must be a list of module class names or module paths")
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its class name if it has none): errors are reported in one line."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,9 +1,12 @@
 """The package's layout: no import cycle among its modules, and no module over 450 lines.
 
-The cycle check reads every module of ``lightning_zero`` with ``ast`` and follows the imports that run when the
-module is imported: those at module level, including under ``try``/``if`` blocks other than ``if TYPE_CHECKING:``,
-but not those inside functions or classes' methods. ``from package import name`` where ``name`` is a submodule
-counts as importing that submodule (and the package's ``__init__``).
+The cycle check reads every module of ``lightning_zero`` with ``ast`` and follows every import in it: at module level
+(under ``try``/``if`` blocks too), inside functions and methods, and under ``if TYPE_CHECKING:``. A function-level
+import runs later than a module-level one, and a ``TYPE_CHECKING`` one never, but each is an arrow between two
+modules all the same, and a circle of arrows is how two concerns end up as one (STYLE.md: "no circle even through
+function-level imports"). ``from package import name`` where ``name`` is a submodule counts as importing that
+submodule (and the package's ``__init__``). The circles that exist are listed in ``KNOWN_CYCLES``, each with why it
+is still there: a new one, or a known one that grows, fails; one that is gone must be struck from the list.
 """
 
 from __future__ import annotations
@@ -17,49 +20,30 @@ PACKAGE_DIR = Path(lightning_zero.__file__).resolve().parent
 PACKAGE = "lightning_zero"
 MAX_LINES = 450
 
+#: The import cycles lightning_zero has, each a strongly connected component of the import graph, and why it is still
+#: there (issue 56 restructures the packages). Not one is a cycle at module level: each closes through an import
+#: under ``if TYPE_CHECKING:`` or inside a function.
+KNOWN_CYCLES: list[frozenset[str]] = [
+    # collectives.py imports the in-flight handles (in_flight.py), the node-by-node second stages (by_node.py) and
+    # its quantized half (quantized_collectives.py) at module level; in_flight.py and by_node.py name ``Collectives``
+    # in annotations only (under TYPE_CHECKING), and quantized_collectives.py reaches it through in_flight.py.
+    frozenset({
+        "lightning_zero.sharding.by_node", "lightning_zero.sharding.collectives", "lightning_zero.sharding.in_flight",
+        "lightning_zero.sharding.quantized_collectives",
+    }),
+]
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+
+def _module_name(path: Path, package_dir: Path = PACKAGE_DIR) -> str:
+    parts = list(path.relative_to(package_dir.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py"))}
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    if isinstance(test, ast.Name):
-        return test.id == "TYPE_CHECKING"
-    if isinstance(test, ast.Attribute):
-        return test.attr == "TYPE_CHECKING"
-    return False
-
-
-def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Import statements that run on import: not in functions or classes, not under ``if TYPE_CHECKING:``."""
-    found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(statements: list[ast.stmt]) -> None:
-        for statement in statements:
-            if isinstance(statement, (ast.Import, ast.ImportFrom)):
-                found.append(statement)
-            elif isinstance(statement, ast.If):
-                if not _is_type_checking(statement.test):
-                    visit(statement.body)
-                visit(statement.orelse)
-            elif isinstance(statement, ast.Try):
-                visit(statement.body)
-                for handler in statement.handlers:
-                    visit(handler.body)
-                visit(statement.orelse)
-                visit(statement.finalbody)
-            elif isinstance(statement, (ast.With, ast.For, ast.While)):
-                visit(statement.body)
-
-    visit(tree.body)
-    return found
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module: module level, in functions and methods, under ``if TYPE_CHECKING:``."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def _resolve_relative(module: str, is_package: bool, level: int, target: str | None) -> str:
@@ -75,8 +59,8 @@ def _with_parents(name: str, modules: dict[str, Path]) -> set[str]:
     return {".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules}
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = _modules()
+def import_graph(package_dir: Path = PACKAGE_DIR, package: str = PACKAGE) -> dict[str, set[str]]:
+    modules = {_module_name(path, package_dir): path for path in sorted(package_dir.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -85,16 +69,16 @@ def import_graph() -> dict[str, set[str]]:
         # Names taken from a package above this one (``from lightning_zero import ZeroConfig``): that package is
         # mid-import when this module runs, so such an import depends on it like on any other module.
         from_ancestor: set[str] = set()
-        for statement in _module_level_imports(tree):
+        for statement in _imports(tree):
             if isinstance(statement, ast.Import):
                 for alias in statement.names:
-                    if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                    if alias.name == package or alias.name.startswith(package + "."):
                         edges |= _with_parents(alias.name, modules)
                 continue
             target = statement.module
             if statement.level:
                 target = _resolve_relative(name, is_package, statement.level, statement.module)
-            if target is None or not (target == PACKAGE or target.startswith(PACKAGE + ".")):
+            if target is None or not (target == package or target.startswith(package + ".")):
                 continue
             edges |= _with_parents(target, modules)
             for alias in statement.names:
@@ -110,37 +94,41 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of ``graph`` as a list of nodes (first == last), or None."""
-    white, grey, black = 0, 1, 2
-    colour = dict.fromkeys(graph, white)
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of ``graph`` that hold a cycle (Tarjan's algorithm), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
     stack: list[str] = []
+    found: list[frozenset[str]] = []
 
-    def visit(node: str) -> list[str] | None:
-        colour[node] = grey
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
         stack.append(node)
         for succ in sorted(graph.get(node, ())):
-            if colour.get(succ, black) == grey:
-                return stack[stack.index(succ) :] + [succ]
-            if colour.get(succ) == white:
-                cycle = visit(succ)
-                if cycle:
-                    return cycle
-        stack.pop()
-        colour[node] = black
-        return None
+            if succ not in graph:
+                continue
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = stack[stack.index(node):]
+            del stack[stack.index(node):]
+            if len(component) > 1 or node in graph[node]:
+                found.append(frozenset(component))
 
     for node in sorted(graph):
-        if colour[node] == white:
-            cycle = visit(node)
-            if cycle:
-                return cycle
-    return None
+        if node not in index:
+            visit(node)
+    return sorted(found, key=sorted)
 
 
-def test_find_cycle_reports_a_cycle() -> None:
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+def test_cycles_are_the_strongly_connected_components() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [frozenset("abc")]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"c", "a"}, "d": {"e"}, "e": {"d"}}) == [
+        frozenset("ab"), frozenset("c"), frozenset("de")]
 
 
 def test_import_graph_sees_the_package() -> None:
@@ -149,9 +137,32 @@ def test_import_graph_sees_the_package() -> None:
     assert "lightning_zero.config" in graph["lightning_zero.strategy"]
 
 
-def test_no_import_cycle() -> None:
-    cycle = find_cycle(import_graph())
-    assert cycle is None, "import cycle at module level: " + " -> ".join(cycle or [])
+def _described(component: frozenset[str], graph: dict[str, set[str]]) -> str:
+    arrows = [f"{a} -> {b}" for a in sorted(component) for b in sorted(graph[a] & component)]
+    return "; ".join(arrows)
+
+
+def test_no_import_cycle_but_the_known_ones() -> None:
+    graph = import_graph()
+    found = cycles(graph)
+    new = [c for c in found if c not in KNOWN_CYCLES]
+    assert not new, "import cycle (every import counts, function-level and TYPE_CHECKING ones too): " + " | ".join(
+        _described(c, graph) for c in new)
+    gone = [sorted(c) for c in KNOWN_CYCLES if c not in found]
+    assert not gone, f"no longer a cycle: strike it from KNOWN_CYCLES: {gone}"
+
+
+def test_function_level_and_type_checking_imports_close_a_cycle(tmp_path: Path) -> None:
+    """What the check missed when it read module-level imports only."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from pkg.c import g\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import x\n")
+    (package / "d.py").write_text("import pkg.a\n")  # into the cycle, not on it
+    graph = import_graph(package, "pkg")
+    assert cycles(graph) == [frozenset({"pkg.a", "pkg.b", "pkg.c"})]
 
 
 def test_no_module_over_450_lines() -> None:
