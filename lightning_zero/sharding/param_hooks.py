@@ -51,7 +51,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 
 import torch
 from torch import Tensor, nn
@@ -104,8 +103,7 @@ class ShardedParams:
     (see [Note: the life of a unit in one training step])."""
 
     def __init__(self, root: Unit, units: Sequence[Unit], comms: Collectives, comm: CommConfig, config: Stage3Config,
-                 storage: ShardStorage | None = None, hand_out: HandOut | None = None, lean: bool = True,
-                 timeout: timedelta | None = None):
+                 storage: ShardStorage | None = None, hand_out: HandOut | None = None, lean: bool = True, timeout=None):
         self.root = root
         self.lean = lean
         self.units = list(units)
