@@ -62,6 +62,7 @@ from lightning_zero.sharding.single_rank import SingleRank
 from lightning_zero.sharding.unit_state import Unit
 from lightning_zero.sharding.units import plan_units
 from lightning_zero.sharding.outside_step import EvaluationLoops, StateLoading
+from lightning_zero.sharding.user_copies import UserCopies
 from lightning_zero.sharding.user_view import UserView
 
 __all__ = ["NonFiniteGradientsError", "ZeroRuntime", "sync_module_states"]
@@ -103,6 +104,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         #: What user code sees of the parameters and gradients (see [Note: what user code sees of a parameter and its
         #: gradient]).
         self.user_view = UserView(comms, self.shards)
+        self.user_copies = UserCopies(comms, self.shards)  # see [Note: a user's copy of a sharded module]
         self.offload: Offload | None = None
         try:
             self._compose(offload)
@@ -336,7 +338,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
             yield
             return
         self.push_written_masters()
-        with self.parameters.gathered():
+        with self.parameters.gathered(), self.user_copies.whole():
             yield
 
     def held_tensors(self) -> dict[str, Any]:
@@ -422,6 +424,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         for shard in self.shards:
             shard.released = True
             shard.mark_written()
+        self.user_copies.release(device)
         if self.offload is not None:
             self.offload.close(optimizers)
 

@@ -33,7 +33,9 @@ what is written into them is what the next gather reads (``UserView``: an offloa
 where the gathers read them). ``p.data = v`` with such a ``v`` (``p.data = copy.data``) takes ``v``'s rows, which the
 master then aliases where it can, as DDP's parameter aliases ``v`` (``ParamShard.take_rows``). A copy of the module
 made before it was sharded (the callbacks' averages) is sharded the same way (``UserView.shard_copy``): 4Ψ/N bytes
-per rank for an fp32 average, not 4Ψ. The parameter itself still refuses value reads (``p.sum()``): only its values,
+per rank for an fp32 average, not 4Ψ; a copy user code makes of the sharded module during fit (``copy.deepcopy``,
+torch's ``AveragedModel``) holds rows from the start, and is whole inside ``gathered_parameters()`` and after fit
+([Note: a user's copy of a sharded module] in user_copies.py). The parameter itself still refuses value reads (``p.sum()``): only its values,
 explicitly taken, are answered from rows. Not answered: copying them into a plain tensor (EMA's swap for a validation
 loop that gathers the whole model because ranks run different numbers of batches is refused by that name).
 """
@@ -93,6 +95,21 @@ def _owner(param: Tensor) -> ValuesOwner | None:
     return ref() if ref is not None else None
 
 
+class CopyMaker(Protocol):
+    """Who makes a user's copy of a sharded parameter (``user_copies.UserCopies``)."""
+
+    def copy(self, param: nn.Parameter) -> Tensor | None:
+        """``copy.deepcopy(param)`` as this rank's rows, or ``None`` if it makes copies of it no more."""
+
+
+#: Who copies each parameter between its uses (see [Note: a user's copy of a sharded module] in user_copies.py).
+_COPY_MAKERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def copy_with(param: nn.Parameter, maker: CopyMaker) -> None:
+    _COPY_MAKERS[param] = weakref.ref(maker)
+
+
 def plain_data(param: nn.Parameter) -> Tensor:
     """``param.detach()`` as the runtime sees it: the placeholder of a sharded parameter, not its values."""
     with torch._C.DisableTorchFunctionSubclass():
@@ -138,6 +155,19 @@ class _Sharded:
             "`with trainer.strategy.gathered_parameters():` (every rank must enter it; edits made inside are kept), "
             "or use strategy='zero2' or 'zero1', which keep full parameters on every rank"
         )
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """``copy.deepcopy`` between its uses (``AveragedModel(model)``): this rank's rows of a copy of its values,
+        which its maker makes whole where user code needs it (see [Note: a user's copy of a sharded module])."""
+        if id(self) in memo:
+            return memo[id(self)]
+        ref = _COPY_MAKERS.get(self)
+        maker = ref() if ref is not None else None
+        copied = maker.copy(self) if maker is not None else None
+        if copied is None:
+            return super().__deepcopy__(memo)
+        memo[id(self)] = copied
+        return copied
 
     def __repr__(self) -> str:
         return (f"zero3 sharded {type(self).__mro__[2].__name__} of shape {tuple(self.shape)} and dtype "
