@@ -10,6 +10,7 @@ from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.memory import ModelStateBytes, model_state_bytes
 from lightning_zero.sharding.collectives import CommStats
 from lightning_zero.sharding.in_flight import NonFiniteWeightsError
+from lightning_zero.sharding.joined_reads import OneRankReadError
 from lightning_zero.sharding.runtime import NonFiniteGradientsError
 from lightning_zero.sharding.sharded_grad import ShardedGradientError
 from lightning_zero.strategy import ZeroStrategy
@@ -22,6 +23,7 @@ __all__ = [
     "ModelStateBytes",
     "NonFiniteGradientsError",
     "NonFiniteWeightsError",
+    "OneRankReadError",
     "PeerFailure",
     "ShardedGradientError",
     "ZeroConfig",

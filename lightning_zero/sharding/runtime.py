@@ -55,13 +55,14 @@ from lightning_zero.sharding.optimizer import ShardedOptimizer
 from lightning_zero.sharding.param_hooks import ShardedParams
 from lightning_zero.sharding.replicated import ReplicatedParams
 from lightning_zero.sharding.roles import GradientRole, Offload, ParameterRole
-from lightning_zero.sharding.scaling import NonFiniteGradientsError, StepScaling, grad_norms, scale_
+from lightning_zero.sharding.scaling import NonFiniteGradientsError, StepScaling, scale_
 from lightning_zero.sharding.shards import (Materialized, floating_buffers, load_state_dict_hooks, make_shards,
                                             sync_module_states)
 from lightning_zero.sharding.single_rank import SingleRank
 from lightning_zero.sharding.unit_state import Unit
 from lightning_zero.sharding.units import plan_units
 from lightning_zero.sharding.outside_step import EvaluationLoops, StateLoading
+from lightning_zero.sharding.joined_reads import JoinedReads
 from lightning_zero.sharding.user_copies import UserCopies
 from lightning_zero.sharding.user_view import UserView
 
@@ -103,7 +104,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         self.shard_of = {s.param: s for s in self.shards}
         #: What user code sees of the parameters and gradients (see [Note: what user code sees of a parameter and its
         #: gradient]).
-        self.user_view = UserView(comms, self.shards)
+        self.user_view = UserView(comms, self.shards, None if self.single_rank else JoinedReads.open(timeout))
         self.user_copies = UserCopies(comms, self.shards)  # see [Note: a user's copy of a sharded module]
         self.offload: Offload | None = None
         try:
@@ -256,6 +257,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
 
     def post_backward(self) -> None:
         self.gradients.post_backward()
+        self.user_view.complete()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -292,6 +294,8 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
             if factor is None:
                 return None
             output = self.offload.update(sharded, stepped, float(factor), clip_value, **kwargs)  # the host steps
+            if float(factor) != 1.0 or clip_value is not None:  # the host scaled its copies, or these
+                self.user_view.changed()
         else:
             grads = sharded.step_grads()
             stepped = [s for s, _ in grads]
@@ -299,6 +303,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
             if factor is None:
                 return None
             scale_([g for _, g in grads], factor, clip_value)
+            self.user_view.scaled(factor, clamped=clip_value is not None)
             output = sharded.update(grads, **kwargs)
         self.parameters.after_update(stepped, defer=defer_gather)
         return output
@@ -321,7 +326,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
 
     def grad_norm(self, norm_type: float = 2.0, group_separator: str = "/") -> dict[str, float]:
         """What Lightning's ``grad_norm(module, norm_type)`` returns under DDP, over every rank's gradient shards."""
-        return grad_norms(self.shards, self.comms, norm_type, group_separator)
+        return self.user_view.grad_norms(norm_type, group_separator)
 
     # ------------------------------------------------------------------------------------------- outside a step
 
@@ -337,6 +342,8 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         if self.released:  # after fit the module holds its full parameters already: nothing to gather or free
             yield
             return
+        if isinstance(self.parameters, ShardedParams):
+            self.user_view.join("trainer.strategy.gathered_parameters()", gradients=False)
         self.push_written_masters()
         with self.parameters.gathered(), self.user_copies.whole():
             yield
@@ -393,6 +400,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         ``DiskOffload.full_parameter``). A later setup shards the module again from these values. ``gather=False``
         (after an error) only removes the hooks: no collective, stage 3's parameters stay empty."""
         self.released = True
+        self.user_view.stop_reads(notify=gather)
         if gather:
             self.check_offloaded_files()
             self.adopt_edits()

@@ -23,7 +23,6 @@ from torch import Tensor
 
 from lightning_zero.precision import update_loss_scale
 from lightning_zero.sharding.collectives import Collectives
-from lightning_zero.sharding.flat_param import ParamShard
 
 
 class NonFiniteGradientsError(FloatingPointError):
@@ -105,30 +104,3 @@ def scale_(tensors: list[Tensor], factor: Tensor | float, clip_value: float | No
     if clip_value is not None and tensors:
         torch._foreach_clamp_min_(tensors, -clip_value)
         torch._foreach_clamp_max_(tensors, clip_value)
-
-
-@torch.no_grad()
-def grad_norms(
-    shards: list[ParamShard], comms: Collectives, norm_type: float = 2.0, group_separator: str = "/"
-) -> dict[str, float]:
-    """What Lightning's ``grad_norm(module, norm_type)`` returns under DDP, from the reduced gradient shards of
-    every rank (one all-reduce): the norm of each parameter's whole gradient and their total."""
-    norm_type = float(norm_type)
-    named = [(s.name, s.grad_rows()) for s in shards if s.param.grad is not None]
-    if norm_type == float("inf"):
-        parts = torch.stack([g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
-                             for _, g in named]) if named else torch.zeros(0)
-        parts = parts.to(comms.device)
-        comms.all_reduce_(parts, "the gradient norms", op="max")
-        norms = parts
-    else:
-        parts = torch.stack([g.float().abs().pow(norm_type).sum() for _, g in named]) if named else torch.zeros(0)
-        parts = parts.to(comms.device)
-        comms.all_reduce_(parts, "the gradient norms")
-        norms = parts.pow(1.0 / norm_type)
-    values = norms.tolist()
-    out = {f"grad_{norm_type}_norm{group_separator}{name}": v for (name, _), v in zip(named, values)}
-    if values:
-        total = max(values) if norm_type == float("inf") else float(norms.pow(norm_type).sum().pow(1 / norm_type))
-        out[f"grad_{norm_type}_norm_total"] = total
-    return out

@@ -17,9 +17,11 @@ answers each operation from the shards of every rank:
 * slicing and indexing on any dimension keep the full tensor's indices (``p.grad[:1000] = 0`` zeroes rows 0-999
   wherever they live), and so do reshapes that keep rows whole (``view(-1)``);
 * reductions over every element, or over the first dimension (``norm``, ``sum``, ``mean``, ``max``, ``all``,
-  ``any``, ``equal``, ``item()``), combine the ranks' partial results with one all-reduce: **every rank must run
-  them**, as every rank must clip the same way; the norm of each whole gradient is computed once for all gradients
-  together and kept until a gradient changes, so ``clip_grad_norm_`` and ``grad_norm`` cost one all-reduce;
+  ``any``, ``equal``, ``item()``), combine the ranks' partial results with one all-reduce that every rank must run
+  (a read run on one rank fails there at once: [Note: a read that runs on one rank] in joined_reads.py), except the
+  2-norm and the largest magnitude of each whole gradient (``p.grad.norm()``, ``p.grad.abs().max()``): taken for
+  every gradient together when the gradients become complete and kept until a gradient changes (a scalar factor,
+  ``clip_grad_norm_``'s, scales them), so ``clip_grad_norm_`` and ``grad_norm`` need no collective, on any rank;
 * random fills (``randn_like``, ``normal_``) draw the full tensor, as DDP's would, and keep the rank's rows;
 * anything that would need the other ranks' rows as values (``p.grad[mask]`` read out, ``.numpy()``, ``tolist()``,
   a transpose across the first dimension, copying the gradient into a plain tensor) raises ``ShardedGradientError``
@@ -60,8 +62,9 @@ class Reducer(Protocol):
         """``tensor`` reduced across the ranks holding the other rows with ``op`` ("sum", "max" or "min")."""
 
 
-    def changed(self) -> None:
-        """Its rows were written in place."""
+    def changed(self, key: int | None = None, factor: Any = None) -> None:
+        """Its rows were written in place: the whole gradient ``key`` multiplied by ``factor`` (a number or a 0-d
+        tensor), or anything (``None``)."""
 
     def whole_norms(self, ord: float) -> dict[int, Tensor]:
         """The ``ord``-norm of every whole gradient handed out, by its key."""
@@ -112,6 +115,8 @@ class ShardedRows(torch.Tensor):
     _layout: RowLayout
     _owner: Reducer
     _key: int | None
+    #: The key of the whole gradient this is the absolute value of (``p.grad.abs()``), else ``None``.
+    _abs_of: int | None
     _name: str
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -123,6 +128,7 @@ class ShardedRows(torch.Tensor):
         rows = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype, device=local.device,
                                                    requires_grad=False)
         rows._local, rows._layout, rows._owner, rows._name, rows._key = local, layout, owner, name, key
+        rows._abs_of = None
         return rows
 
     def refusal(self, what: str) -> Exception:
@@ -252,13 +258,36 @@ def element_wise(func, args, kwargs):
         refuse(f"{func.overloadpacket.__name__}() with {err}", first)
     out = func(*local_args, **local_kwargs)
     if written:
-        first._owner.changed()
+        key = whole_key(first) if first._abs_of is None else None
+        first._owner.changed(key, scaling_factor(func, args[1:]))
         return written[0] if len(written) == 1 else tuple(written)
     if isinstance(out, Tensor):
         if out.shape != layout.local_shape:
             refuse(f"{func.overloadpacket.__name__}() broadcasting it to a larger shape", first)
-        return wrap(out, layout, first)
+        result = wrap(out, layout, first)
+        if func.overloadpacket is aten.abs and len(sharded) == 1:  # its largest value is a kept norm
+            result._abs_of = whole_key(first)
+        return result
     return out
+
+
+def scaling_factor(func, operands: Sequence[Any]) -> Any:
+    """What an in-place ``mul_``/``div_`` by one number or 0-d tensor multiplies by (``clip_grad_norm_``'s
+    coefficient), else ``None``."""
+    if func.overloadpacket not in (aten.mul_, aten.div_, aten._foreach_mul_, aten._foreach_div_) or len(operands) != 1:
+        return None
+    factor = operands[0]
+    if isinstance(factor, Tensor) and (isinstance(factor, ShardedRows) or factor.dim() != 0):
+        return None
+    if not isinstance(factor, (Tensor, int, float)):
+        return None
+    is_div = func.overloadpacket in (aten.div_, aten._foreach_div_)
+    return (1.0 / factor if not isinstance(factor, Tensor) else factor.reciprocal()) if is_div else factor
+
+
+def whole_key(x: ShardedRows) -> int | None:
+    """The key of the whole gradient ``x`` is, or is the absolute value of (its norms are kept: user_view.py)."""
+    return x._key if x._key is not None else x._abs_of
 
 
 #: What ``ShardedRows`` answers beyond the element-wise operations, by aten operator: filled by sharded_grad_ops.py

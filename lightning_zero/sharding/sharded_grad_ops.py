@@ -20,6 +20,8 @@ from lightning_zero.sharding.sharded_grad import (
     element_wise,
     refuse,
     rows_of,
+    scaling_factor,
+    whole_key,
     wrap,
 )
 
@@ -40,10 +42,11 @@ def _all_dims(layout: RowLayout, dim: Any) -> tuple[list[int], bool]:
     return dims, 0 in dims or ndim == 0
 
 
-def _combine(x: ShardedRows, partial: Tensor, op: str, local_dims: list[int], keepdim: bool, single: bool) -> Tensor:
+def _combine(x: ShardedRows, partial: Tensor, op: str, local_dims: list[int], keepdim: bool, single: bool,
+             call: str) -> Tensor:
     """All-reduce each rank's ``partial`` (kept dims of size 1) with ``op``; drop the reduced dimensions."""
     work = partial.float() if partial.dtype in (torch.float16, torch.bfloat16) else partial
-    combined = x._owner.all_reduce(work.contiguous(), op)
+    combined = x._owner.all_reduce(work.contiguous(), op, x, call)
     if single:  # the virtual row dimension goes whatever keepdim says
         combined = combined.squeeze(0)
         local_dims = [d - 1 for d in local_dims if d > 0]
@@ -67,20 +70,23 @@ def _partial(local: Tensor, dims: list[int], op: str, p: float | None = None) ->
 
 
 def _reduce(x: ShardedRows, dim, keepdim: bool, op: str, p: float | None, finish: Callable[[Tensor], Tensor], out_dtype,
-            local_op: Callable[[Tensor], Tensor]) -> Any:
+            call: tuple) -> Any:
+    """``call`` (``func, args, kwargs``), a reduction of ``x`` over ``dim`` with ``op``: on the rows where they stay,
+    else each rank's partial (``|x|**p`` for a norm) combined across the ranks and ``finish``-ed."""
+    func, args, kwargs = call
     dims, across = _all_dims(x._layout, dim)
     if not across:  # the rows stay: a sharded result
-        out = local_op(x._local)
+        out = func(x._local, *args[1:], **kwargs)
         shape = torch.Size((x._layout.shape[0], *out.shape[1:]))
         return wrap(out, RowLayout(shape, x._layout.lo, x._layout.hi), x)
-    combined = _combine(x, _partial(x._local, dims, op, p), op, dims, keepdim, x._layout.single)
+    combined = _combine(x, _partial(x._local, dims, op, p), op, dims, keepdim, x._layout.single, _call(func))
     return finish(combined).to(out_dtype)
 
 
 def _sum(func, args, kwargs):
     x, dim, keepdim, dtype = _args(func, args, kwargs, ("self", "dim", "keepdim", "dtype"), (None, None, False, None))
     out_dtype = dtype or (x.dtype if x.dtype.is_floating_point else torch.int64)
-    return _reduce(x, dim, keepdim, "sum", None, lambda t: t, out_dtype, lambda t: func(t, *args[1:], **kwargs))
+    return _reduce(x, dim, keepdim, "sum", None, lambda t: t, out_dtype, (func, args, kwargs))
 
 
 def _mean(func, args, kwargs):
@@ -88,7 +94,7 @@ def _mean(func, args, kwargs):
     dims = _global_dims(x, dim)
     count = math.prod(x.shape[d] for d in dims)
     return _reduce(x, dim, keepdim, "sum", None, lambda t: t / count, dtype or x.dtype,
-                   lambda t: func(t, *args[1:], **kwargs))
+                   (func, args, kwargs))
 
 
 def _global_dims(x: Tensor, dim: Any) -> list[int]:
@@ -109,7 +115,9 @@ def _extreme(op: str):
             shape = torch.Size((x._layout.shape[0], *values.shape[1:]))
             layout = RowLayout(shape, x._layout.lo, x._layout.hi)
             return wrap(values, layout, x), wrap(indices, layout, x)
-        return _reduce(x, dim, keepdim, op, None, lambda t: t, x.dtype, lambda t: func(t, *args[1:], **kwargs))
+        if op == "max" and x._abs_of is not None and not keepdim and len(_global_dims(x, dim)) == x.dim():
+            return x._owner.whole_norms(math.inf)[x._abs_of].to(x.dtype)  # p.grad.abs().max(): kept, no collective
+        return _reduce(x, dim, keepdim, op, None, lambda t: t, x.dtype, (func, args, kwargs))
 
     return handler
 
@@ -119,8 +127,8 @@ def _vector_norm(func, args, kwargs):
                                         (None, 2.0, None, False, None))
     ord = float(ord)
     out_dtype = dtype or x.dtype
-    if x._key is not None and dim is None and not keepdim and ord in (2.0, math.inf):
-        return x._owner.whole_norms(ord)[x._key].to(out_dtype)  # computed for every gradient at once
+    if whole_key(x) is not None and dim is None and not keepdim and ord in (2.0, math.inf):
+        return x._owner.whole_norms(ord)[whole_key(x)].to(out_dtype)  # kept for every gradient at once
     if ord == 0.0:
         op, p, finish = "sum", None, lambda t: t
         x = wrap((x._local != 0).to(torch.float32), x._layout, x)
@@ -128,14 +136,14 @@ def _vector_norm(func, args, kwargs):
         op, p, finish = ("max" if ord > 0 else "min"), ord, lambda t: t
     else:
         op, p, finish = "sum", ord, lambda t: t.pow(1.0 / ord)
-    return _reduce(x, dim, keepdim, op, p, finish, out_dtype, lambda t: func(t, *args[1:], **kwargs))
+    return _reduce(x, dim, keepdim, op, p, finish, out_dtype, (func, args, kwargs))
 
 
 def _truth(op: str):
     def handler(func, args, kwargs):
         x, dim, keepdim = _args(func, args, kwargs, ("self", "dim", "keepdim"), (None, None, False))
         flag = wrap((x._local != 0).to(torch.float32), x._layout, x)
-        return _reduce(flag, dim, keepdim, op, None, lambda t: t, torch.bool, lambda t: func(t, *args[1:], **kwargs))
+        return _reduce(flag, dim, keepdim, op, None, lambda t: t, torch.bool, (func, args, kwargs))
 
     return handler
 
@@ -143,7 +151,7 @@ def _truth(op: str):
 def _count_nonzero(func, args, kwargs):
     x, dim = _args(func, args, kwargs, ("self", "dim"), (None, None))
     flag = wrap((x._local != 0).to(torch.float32), x._layout, x)
-    return _reduce(flag, dim, False, "sum", None, lambda t: t, torch.int64, lambda t: func(t, *args[1:], **kwargs))
+    return _reduce(flag, dim, False, "sum", None, lambda t: t, torch.int64, (func, args, kwargs))
 
 
 def _equal(func, args, kwargs):
@@ -154,16 +162,26 @@ def _equal(func, args, kwargs):
         return False
     same = torch.equal(a._local, b._local if isinstance(b, ShardedRows) else rows_of(b, a._layout))
     flag = torch.tensor([float(same)], device=a.device)
-    return bool(a._owner.all_reduce(flag, "min").item())
+    return bool(a._owner.all_reduce(flag, "min", a, "torch.equal()").item())
 
 
 def _item(func, args, kwargs):
     x = args[0]
     if x.numel() != 1:
         refuse("item()", x)
-    total = x._owner.all_reduce(x._local.reshape(-1).double().sum().reshape(1), "sum")
+    total = x._owner.all_reduce(x._local.reshape(-1).double().sum().reshape(1), "sum", x, _call(func))
     value = total.to(x.dtype)
     return value.item() if func.overloadpacket is aten._local_scalar_dense else bool(value.item())
+
+
+#: What user code calls the operators whose aten names differ.
+_CALLS = {"linalg_vector_norm": "norm", "_local_scalar_dense": "item", "is_nonzero": "bool"}
+
+
+def _call(func) -> str:
+    """``func`` as user code calls it, for messages: ``sum()``, ``norm()``."""
+    name = func.overloadpacket.__name__
+    return f"{_CALLS.get(name, name)}()"
 
 
 def _args(func, args, kwargs, names: tuple[str, ...], defaults: tuple) -> list[Any]:
@@ -319,8 +337,9 @@ def _foreach(func, args, kwargs):
 
     out = func(*[local(a) for a in args], **kwargs)
     if func._schema.is_mutable:
-        if sharded:
-            sharded[0]._owner.changed()
+        factor = scaling_factor(func, args[1:])
+        for tensor in sharded if factor is not None else sharded[:1]:
+            tensor._owner.changed(whole_key(tensor) if tensor._abs_of is None else None, factor)
         return None
     return [o if layout is None else wrap(o, layout, t) for o, layout, t in zip(out, layouts, first)]
 

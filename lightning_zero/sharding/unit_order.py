@@ -108,6 +108,10 @@ class SharedBoard:
     """Every rank's unit-collective announcements, in memory the ranks of one host share (see [Note: the unit-order
     board]). ``exchange`` and ``exchange_async`` answer as ``Collectives``' do."""
 
+    #: Announcements made on every board of this process: part of how far a rank is (see [Note: a read that runs on
+    #: one rank] in joined_reads.py; a board's exchanges are not collectives, which c10d counts).
+    announced_in_process = 0
+
     def __init__(self, memory: mmap.mmap, rank: int, world_size: int, timeout_s: float,
                  pids: Sequence[int] | None = None) -> None:
         self._memory = memory
@@ -117,11 +121,6 @@ class SharedBoard:
         self._words = memoryview(memory)[8 : 8 + world_size * SLOTS * 8].cast("q")
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._calls = 0
-
-    @property
-    def announced(self) -> int:
-        """How many announcements this rank has made."""
-        return self._calls
 
     @classmethod
     def open(cls, comms: Collectives, timeout_s: float) -> SharedBoard | None:
@@ -149,6 +148,7 @@ class SharedBoard:
     def exchange_async(self, values: Sequence[int]) -> Posted:
         """Announce ``values`` (kind, unit, count of the step) as this rank's next exchange."""
         self._calls += 1
+        SharedBoard.announced_in_process += 1
         self._words[self.rank * SLOTS + self._calls % SLOTS] = pack(self._calls, values)
         return Posted(self, self._calls)
 

@@ -31,7 +31,7 @@ class ThreadGroup:
         group = self
 
         class Owner:
-            def all_reduce(self, tensor, op):
+            def all_reduce(self, tensor, op, of, call):
                 group.slots[rank] = tensor.clone()
                 group.barrier.wait()
                 stacked = torch.stack(group.slots)
@@ -39,7 +39,7 @@ class ThreadGroup:
                 group.barrier.wait()
                 return result.to(tensor.dtype)
 
-            def changed(self):
+            def changed(self, key=None, factor=None):
                 pass
 
             def whole_norms(self, ord):
