@@ -9,6 +9,19 @@ checks that and names the caller's tensor when it does not. Buckets (``buckets.B
 rank-major buffers here, in one fused copy; in_flight.py's ``InFlight`` completes launched bucket collectives in
 order while bounding how many that hold memory are pending.
 
+[Note: how the order of collectives is owned]
+Every rank must issue the same collectives on a group in the same order: gloo pairs them by order alone and aborts
+(``collective mismatch``) or, between messages of one byte size, swaps their data. So the order comes from what every
+rank holds alike: the model's parameter order (the shards, units and buckets keep it), the optimizers' groups, the
+config, the ranks. Never from an order the interpreter picks: a ``set``'s (address order for ``torch.dtype``,
+parameters, modules; hash-seed order for strings), ``id()``, ``gc``, a directory listing; they differ between ranks
+that are separate interpreters (popen, torchrun, SLURM) and agree between forked ones. One collective per group: per
+dtype in the order of its first parameter (``dict.fromkeys``: ``release`` in runtime.py, ``gathered_gradients`` in
+user_view.py, the ownership exchanges in optimizer.py); per bucket in bucket order (grad_hooks.py, replicated.py,
+unit_state.py); per unit in the order the model ran them, which the unit-order check compares across ranks
+(param_hooks.py); per process group in rank order. tests/unit/test_iteration_order.py fails on a loop over a set;
+tests/integration/test_launchers.py runs each stage against DDP under torchrun and popen, hash seed unset.
+
 [Note: which algorithm each collective uses]
 Where NCCL serves the group's device (backend ``"nccl"``, or a composite one that maps CUDA to it, such as
 ``"cpu:gloo,cuda:nccl"`` with CUDA tensors) the native ``reduce_scatter_single`` and ``all_gather_single`` are
@@ -40,7 +53,6 @@ registered, so the store the watchdog reads and every other group are left alone
 ``_abort_process_group`` would also unregister it, and for the default group every group and the store with it).
 On gloo nothing is done: a collective no peer matches occupies the group's worker thread only, nothing waits on it
 since the error is raised instead, and gloo's abort would not end such a wait anyway (watchdog.py).
-
 
 [Note: hybrid sharding's collectives]
 Under hybrid sharding (topology.py, [Note: hybrid sharding]) the runtime's ``Collectives`` is over the shard group,
