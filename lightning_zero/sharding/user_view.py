@@ -246,8 +246,8 @@ class UserView:
             if not where:
                 continue
             tensors = [locals_[i] for i in where]
-            norms = _largest_magnitudes(tensors) if ord == math.inf else torch._foreach_norm(tensors, ord,
-                                                                                               dtype=torch.float32)
+            wide = torch.float64 if dtype == torch.float64 else torch.float32  # norm_'s dtype never narrows
+            norms = _largest_magnitudes(tensors) if ord == math.inf else torch._foreach_norm(tensors, ord, dtype=wide)
             stacked[where] = torch.stack(norms).float().to(stacked.device)
         if ord == 2.0:
             stacked.square_()
