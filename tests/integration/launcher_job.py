@@ -1,6 +1,7 @@
 """One launch of 2 CPU ranks as separate interpreters (torchrun, or Lightning's default popen launcher, which runs this
 script again for rank 1): DDP, zero1, zero2 and zero3 in sequence on a model with parameters of four dtypes, in fp32
-and bf16-mixed, and a save at step 3 resumed to step 6 under each stage. Each rank writes what it saw to
+and bf16-mixed, and a save at step 3 resumed to step 6 under each stage; in each fit rank 0 alone reads gradient
+norms, and a user's ``AveragedModel`` keeps a moving average. Each rank writes what it saw to
 ``OUT_DIR/<label>-rank<R>.pt``; tests/integration/test_launchers.py compares the runs.
 
 Run as ``python launcher_job.py OUT_DIR LABEL`` (popen) or under ``torchrun --nproc-per-node 2``. Parameters of
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -75,19 +77,32 @@ def flat(tensors) -> torch.Tensor:
 
 class Seen(pl.Callback):
     """The loss, the full gradients before each optimizer step (under ZeRO through ``gathered_gradients()``, on every
-    rank) and all parameters after it (under ZeRO through ``gathered_parameters()``)."""
+    rank) and all parameters after it (under ZeRO through ``gathered_parameters()``). And what user code does that
+    DDP allows: on rank 0 only, before each step, the gradients' total norm and largest magnitude (see [Note: a read
+    that runs on one rank] in lightning_zero/sharding/joined_reads.py); an exponential moving average of the model
+    kept in a ``torch.optim.swa_utils.AveragedModel`` made at ``on_fit_start`` and updated after every step."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grads: list[torch.Tensor] = []
         self.params: list[torch.Tensor] = []
+        self.rank_zero_norms: list[list[float]] = []
+        self.average: AveragedModel | None = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.average = AveragedModel(pl_module, multi_avg_fn=get_ema_multi_avg_fn(0.75))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if trainer.is_global_zero:
+            self.rank_zero_norms.append([float(sum(g.norm() ** 2 for g in grads) ** 0.5),
+                                         max(float(g.abs().max()) for g in grads)])
         with getattr(trainer.strategy, "gathered_gradients", contextlib.nullcontext)():
             self.grads.append(flat(p.grad for p in pl_module.parameters() if p.grad is not None))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.average.update_parameters(pl_module)
         with getattr(trainer.strategy, "gathered_parameters", contextlib.nullcontext)():
             self.params.append(flat(pl_module.parameters()))
 
@@ -104,6 +119,7 @@ def fit(strategy, precision: str, steps: int = STEPS, ckpt_path: Path | None = N
         trainer.save_checkpoint(save)
     # After fit: ZeroStrategy has gathered the full parameters back into the module (``release``).
     return {"losses": seen.losses, "grads": seen.grads, "params": seen.params, "final": flat(model.parameters()),
+            "rank_zero_norms": seen.rank_zero_norms, "average": flat(seen.average.module.parameters()),
             "trainer": trainer}
 
 

@@ -4,7 +4,7 @@ The distributed tests fork their ranks, which then share addresses and a hash se
 ``id()`` gives. Here one launch of 2 CPU ranks (gloo) per launcher, torchrun and Lightning's default popen launcher,
 runs tests/integration/launcher_job.py: DDP, zero1, zero2 and zero3 on a model with parameters of four dtypes, in fp32
 and bf16-mixed, ``gathered_gradients()`` before every step, the release of the full parameters at the end of fit, and
-a save at step 3 resumed to step 6. In a launch whose ranks iterate a set of dtypes in different orders (the job
+a save at step 3 resumed to step 6, gradient norms read on rank 0 alone and a user's ``AveragedModel``. In a launch whose ranks iterate a set of dtypes in different orders (the job
 records each rank's), a loop that issued one gather per dtype in a set's order failed (see [Note: how the order of
 collectives is owned] in lightning_zero/sharding/collectives.py): measured with the two loops d127bf2 fixed put
 back, 5 of 6 launches aborted with gloo's ``collective mismatch``. Each launch costs 15-30 s on 2 busy cores.
@@ -124,6 +124,27 @@ def test_matches_ddp_every_step(root: str, launcher: str, precision: str, stage:
                 bound = MIXED_GRAD_RTOL if what == "gradients" else MIXED_PARAM_RTOL
                 assert a.shape == b.shape and _relative(a, b) < bound, (where, what, step, _relative(a, b))
         assert not torch.equal(got["params"][0], got["params"][-1])  # it trains
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_rank_zero_reads_and_a_users_average_are_ddps(root: str, launcher: str, precision: str, stage: int) -> None:
+    """Norms read on rank 0 alone (no collective: a hang before issue 52) and a user's ``AveragedModel`` (a deep
+    copy of a zero3 model: refused in a gathered scope before issue 52) give DDP's values."""
+    ranks = launch(launcher, root)
+    want, got = ranks[0][precision, "ddp"], ranks[0][precision, stage]
+    assert len(got["rank_zero_norms"]) == STEPS and ranks[1][precision, stage]["rank_zero_norms"] == []
+    fp32 = precision == "32-true"
+    torch.testing.assert_close(torch.tensor(got["rank_zero_norms"]), torch.tensor(want["rank_zero_norms"]),
+                               rtol=RTOL if fp32 else MIXED_GRAD_RTOL, atol=ATOL)
+    for per_rank in ranks:
+        want, got = per_rank[precision, "ddp"]["average"], per_rank[precision, stage]["average"]
+        assert not torch.equal(want, per_rank[precision, "ddp"]["final"])  # an average, not the last weights
+        if fp32:
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        else:
+            assert _relative(got, want) < MIXED_PARAM_RTOL, _relative(got, want)
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
