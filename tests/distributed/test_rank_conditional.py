@@ -1,7 +1,8 @@
 """Code that reads gradients or parameters on one rank only, as DDP code does (issue 52; see [Note: a read that runs
 on one rank] in sharding/joined_reads.py): what DDP code commonly computes on one rank gives DDP's value there with
 no collective, and what cannot be answered alone fails on that rank at once, naming the call and the way out, while
-the other ranks end with an error naming that rank: never a hang.
+the other ranks end with an error naming that rank: never a hang. ``torch.save(module.state_dict())`` on one rank
+under zero3 is refused where it runs (the values are the rank's rows), with no collective.
 
 Values: one fork of 2 ranks runs DDP and zero1/2/3 with rank-0-only readers (a hook under ``is_global_zero``, a
 ``@rank_zero_only`` callback, Lightning's ``grad_norm``) and compares what rank 0 read with DDP's, every step.
@@ -120,26 +121,37 @@ def _gathered_parameters(trainer, module) -> None:
         pass
 
 
-#: name -> (stage, the read, what its error names)
+def _save_state_dict(trainer, module) -> None:
+    torch.save(module.state_dict(), Path(trainer.default_root_dir) / "weights.pt")
+
+
+JOINED = "rank 1 went on without it"
+#: name -> (stage, the read, its error: the class, what it names)
 FAILURES = {
-    "grad_sum": (2, _grad_sum, "sum() on the gradient of 'head.weight'"),
-    "values_norm": (3, _values_norm, "norm() on the values of zero3 parameter 'head.weight'"),
-    "gathered_gradients": (1, _gathered_gradients, "trainer.strategy.gathered_gradients()"),
-    "gathered_parameters": (3, _gathered_parameters, "trainer.strategy.gathered_parameters()"),
+    "grad_sum": (2, _grad_sum, "OneRankReadError", "sum() on the gradient of 'head.weight'", JOINED,
+                 "gathered_gradients()"),
+    "values_norm": (3, _values_norm, "OneRankReadError", "norm() on the values of zero3 parameter 'head.weight'",
+                    JOINED, "gathered_parameters()"),
+    "gathered_gradients": (1, _gathered_gradients, "OneRankReadError", "trainer.strategy.gathered_gradients()",
+                           JOINED, "gathered_gradients()"),
+    "gathered_parameters": (3, _gathered_parameters, "OneRankReadError", "trainer.strategy.gathered_parameters()",
+                            JOINED, "gathered_parameters()"),
+    # refused where it runs, with no collective: the values are this rank's rows
+    "save_state_dict": (3, _save_state_dict, "ShardedParameterError", "pickling (torch.save) on the values of zero3 "
+                        "parameter", "each rank holds only its rows", "gathered_parameters()"),
 }
-WAYS_OUT = {"grad_sum": "gathered_gradients()", "values_norm": "gathered_parameters()",
-            "gathered_gradients": "gathered_gradients()", "gathered_parameters": "gathered_parameters()"}
 
 
 def _fail(rank: int, world_size: int, stage: int, read, root: Path) -> None:
     pl.seed_everything(7, verbose=False)
-    trainer = make_trainer(ZeroStrategy(stage=stage), 2, max_steps=4, callbacks=[RankZeroOnly(read, root)])
+    trainer = make_trainer(ZeroStrategy(stage=stage), 2, max_steps=4, callbacks=[RankZeroOnly(read, root)],
+                           default_root_dir=root)
     trainer.fit(ParityModel())
 
 
 @lru_cache(maxsize=None)
 def _failed(name: str, root: str) -> tuple:
-    stage, read, _ = FAILURES[name]
+    stage, read = FAILURES[name][:2]
     outcomes = launch(partial(_fail, stage=stage, read=read, root=Path(root)), 2, timeout_s=60)
     return outcomes, float((Path(root) / "read_at").read_text())
 
@@ -147,16 +159,16 @@ def _failed(name: str, root: str) -> tuple:
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_a_read_on_one_rank_ends_every_rank_at_once_naming_it(name: str, tmp_path: Path) -> None:
     outcomes, read_at = _failed(name, str(tmp_path))
-    _, _, call = FAILURES[name]
+    _, _, error, call, why, way_out = FAILURES[name]
     reader, peer = outcomes
-    assert reader.error is not None and "OneRankReadError" in reader.error, reader.error or reader.stderr[-2000:]
+    assert reader.error is not None and f"{error}: " in reader.error, reader.error or reader.stderr[-2000:]
     message = reader.error.strip().splitlines()[-1]
-    assert call in message and "rank 1 went on without it" in message, message
-    assert WAYS_OUT[name] in message and "every rank" in message, message
+    assert call in message and why in message, message
+    assert way_out in message and "every rank" in message, message
     # The peer ends too, naming rank 0, within seconds: no wait for the process group's timeout. It names rank 0's
     # error where it can still read it; here rank 0's process, which hosts the store, exits as soon as it raised
     # (this harness's os._exit), so the peer may find it gone first.
     assert not peer.hung and peer.exitcode != 0
     told = (peer.error or "") + peer.stderr
-    assert "rank 0 failed: OneRankReadError" in told or "rank 0 is gone" in told, (peer.error, peer.stderr[-2000:])
+    assert f"rank 0 failed: {error}" in told or "rank 0 is gone" in told, (peer.error, peer.stderr[-2000:])
     assert max(reader.ended, peer.ended) - read_at < 10.0

@@ -4,8 +4,8 @@ The distributed tests fork their ranks, which then share addresses and a hash se
 ``id()`` gives. Here one launch of 2 CPU ranks (gloo) per launcher, torchrun and Lightning's default popen launcher,
 runs tests/integration/launcher_job.py: DDP, zero1, zero2 and zero3 on a model with parameters of four dtypes, in fp32
 and bf16-mixed, ``gathered_gradients()`` before every step, the release of the full parameters at the end of fit, and
-a save at step 3 resumed to step 6, gradient norms read on rank 0 alone and a user's ``AveragedModel``. In a launch whose ranks iterate a set of dtypes in different orders (the job
-records each rank's), a loop that issued one gather per dtype in a set's order failed (see [Note: how the order of
+a save at step 3 resumed to step 6, gradient norms read on rank 0 alone and a user's ``AveragedModel``. In a
+launch whose ranks iterate a set of dtypes in different orders (the job records each rank's), a loop that issued one gather per dtype in a set's order failed (see [Note: how the order of
 collectives is owned] in lightning_zero/sharding/collectives.py): measured with the two loops d127bf2 fixed put
 back, 5 of 6 launches aborted with gloo's ``collective mismatch``. Each launch costs 15-30 s on 2 busy cores.
 """
