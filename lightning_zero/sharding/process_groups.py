@@ -31,9 +31,12 @@ _STARTED = _Started()
 
 
 def new_group(ranks: Sequence[int], backend: str | None = None) -> dist.ProcessGroup:
-    """``dist.new_group``, recorded to be destroyed at exit (see [Note: tearing down at exit]). Every rank must call
-    it, in the same order."""
-    group = dist.new_group(list(ranks), backend=backend)
+    """``dist.new_group``, recorded to be destroyed at exit (see [Note: tearing down at exit]), with the default
+    group's timeout (``ZeroStrategy(timeout=...)``; torch would give a new group its own default, 30 minutes). Every
+    rank must call it, in the same order."""
+    # The default store was made with the timeout init_process_group was given (its rendezvous passes it on).
+    timeout = dist.distributed_c10d._get_default_store().timeout
+    group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
     _STARTED.groups.append(group)
     _arm_teardown()
     return group
