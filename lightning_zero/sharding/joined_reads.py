@@ -121,43 +121,16 @@ class JoinedReads:
         """Wait until every rank of ``ranks`` (global ranks; default: all) is about to run the read ``what`` at this
         point, or raise :class:`OneRankReadError` (naming ``way_out``) once one of them is seen past it."""
         point = self.progress()
-        mine = f"{point}\t{what}"
-        self._client.set(self._read_key(self.rank), mine)
+        self._client.set(self._read_key(self.rank), f"{point}\t{what}")
         peers = [r for r in (range(self.world_size) if ranks is None else ranks) if r != self.rank]
-        keys = [self._read_key(r) for r in peers]
         started = asked_at = time.monotonic()
         pending: dict[int, int] = {}  # peer -> the question whose answer is awaited
         sleep = 0.0
-        while True:
-            waiting = []
-            if self._client.check(keys):
-                for peer, value in zip(peers, self._client.multi_get(keys)):
-                    text = value.decode()
-                    if text == mine:
-                        continue
-                    theirs, _, their_what = text.partition("\t")
-                    if theirs == str(point):
-                        raise OneRankReadError(
-                            f"{what} on rank {self.rank} while rank {peer} runs {their_what} at the same point: "
-                            f"reads of sharded values must be the same on every rank. {way_out}")
-                    waiting.append(peer)
-            else:
-                waiting = peers
-            if not waiting:
-                return
+        while waiting := self._not_joined(peers, point, what, way_out):
             now = time.monotonic()
-            for peer in list(pending):
-                answer = self._answer_of(peer, pending[peer])
-                if answer is not None:
-                    del pending[peer]
-                    if answer > point:
-                        raise OneRankReadError(
-                            f"{what} ran on rank {self.rank}, but rank {peer} went on without it: each rank holds "
-                            f"only its rows, so this read needs every rank to run it at the same point. {way_out}")
+            self._check_answers(pending, point, what, way_out)
             if now - asked_at >= ASK_EVERY_S or (not pending and now - started > MAX_SLEEP_S):
-                for peer in waiting:
-                    if peer not in pending:
-                        pending[peer] = self._ask(peer)
+                pending.update({peer: self._ask(peer) for peer in waiting if peer not in pending})
                 asked_at = now
             if now - started > self.timeout_s:
                 raise OneRankReadError(
@@ -165,6 +138,35 @@ class JoinedReads:
                     f"{self.timeout_s:g} s (the strategy's timeout). {way_out}")
             sleep = min(MAX_SLEEP_S, sleep * 2 or 1e-4)
             time.sleep(sleep)
+
+    def _not_joined(self, peers: list[int], point: int, what: str, way_out: str) -> list[int]:
+        """The peers that have not announced the read ``what`` at ``point``; raises if one announced another read
+        there."""
+        keys = [self._read_key(r) for r in peers]
+        if not self._client.check(keys):  # a peer has not started yet
+            return peers
+        waiting = []
+        for peer, value in zip(peers, self._client.multi_get(keys)):
+            theirs, _, their_what = value.decode().partition("\t")
+            if theirs == str(point) and their_what != what:
+                raise OneRankReadError(
+                    f"{what} on rank {self.rank} while rank {peer} runs {their_what} at the same point: reads of "
+                    f"sharded values must be the same on every rank. {way_out}")
+            if theirs != str(point):
+                waiting.append(peer)
+        return waiting
+
+    def _check_answers(self, pending: dict[int, int], point: int, what: str, way_out: str) -> None:
+        """Take the answers that came in; raises if a peer is past ``point`` (it issued a collective there)."""
+        for peer, question in list(pending.items()):
+            answer = self._answer_of(peer, question)
+            if answer is None:
+                continue
+            del pending[peer]
+            if answer > point:
+                raise OneRankReadError(
+                    f"{what} ran on rank {self.rank}, but rank {peer} went on without it: each rank holds only its "
+                    f"rows, so this read needs every rank to run it at the same point. {way_out}")
 
     def _ask(self, peer: int) -> int:
         question = self._client.add(self._asked_key(peer), 1)
