@@ -17,7 +17,27 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.accelerators import XLAAccelerator
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+
+
+#: The hooks made to see a step's gradients (where Lightning's docs read them: between the backward and the step).
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+
+
+def user_code_sees_gradients(trainer: Any) -> bool:
+    """Whether user code runs where a step's gradients are meant to be read: manual optimization, a LightningModule
+    hook of ``GRADIENT_HOOKS`` (or its own ``optimizer_step`` or ``configure_gradient_clipping``), or a callback of the
+    user's (not Lightning's or ours) with one. Only then are the gradient norms one rank may read kept (see [Note: a
+    read that runs on one rank] in sharding/joined_reads.py): a plain step issues no collective for them."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        return True
+    if any(is_overridden(hook, module) for hook in (*GRADIENT_HOOKS, "optimizer_step", "configure_gradient_clipping")):
+        return True
+    theirs = [c for c in trainer.callbacks if not type(c).__module__.startswith(("lightning.", "lightning_zero."))]
+    return any(is_overridden(hook, c, parent=Callback) for c in theirs for hook in GRADIENT_HOOKS)
 
 
 class ZeroUnsupportedError(ValueError):

@@ -41,6 +41,7 @@ from lightning_zero.lightning_compat import (
     mark_sharded_for_transformers,
     refuse_accelerator,
     refuse_unsupported,
+    user_code_sees_gradients,
 )
 from lightning_zero.memory import (
     ModelStateBytes,
@@ -235,6 +236,7 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         working_dtype = self.precision_plugin.working_dtype
         self._runtime = ZeroRuntime(self.model, config, comms, working_dtype, materialized, offload, self._timeout)
         del materialized  # the rows the shards were cut from: the shards own them now
+        self._runtime.user_view.keep_norms = fitting and user_code_sees_gradients(trainer)
         if self.config.stage == 3 and not self._runtime.single_rank:
             adapt_weight_callbacks(trainer, self._runtime, self.gathered_parameters)
         give_back_freed_memory()

@@ -318,21 +318,21 @@ class Collectives(QuantizedCollectives):
 
     # ----------------------------------------------------------------------------------------------- small tensors
 
-    def all_reduce_(self, tensor: Tensor, what: str, op: str = "sum") -> None:
+    def all_reduce_(self, tensor: Tensor, what: str, op: str = "sum", counted_as: str = "all_reduce") -> None:
         """Reduce ``tensor`` in place across ranks with ``op`` ("sum", "max" or "min"): small tensors (norms, flags,
-        counts)."""
+        counts), counted in ``stats`` under ``counted_as``."""
         self.check(what, tensor)
         if self.local:
             return
-        self.record_all_reduce(tensor)
+        self.record_all_reduce(tensor, counted_as)
         dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group)
 
-    def record_all_reduce(self, tensor: Tensor) -> None:
+    def record_all_reduce(self, tensor: Tensor, counted_as: str = "all_reduce") -> None:
         """Count an all-reduce of ``tensor`` (a ring's volume)."""
         nbytes = tensor.numel() * tensor.element_size()
         n = self.world_size
         volume = 2 * nbytes * (n - 1) / n
-        self.stats.record("all_reduce", volume, volume, self.links.ring(volume))
+        self.stats.record(counted_as, volume, volume, self.links.ring(volume))
 
     def all_to_all(self, send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], what: str) -> Tensor:
         """Send ``send_counts[r]`` consecutive elements of the flat ``send`` to rank ``r`` and return what every rank

@@ -80,6 +80,8 @@ class UserView:
         self._handed: dict[int, ShardedGrad] = {}
         #: The 2- and inf-norms of the whole gradients handed out, by ord, kept until a gradient changes.
         self._norms: dict[float, dict[int, Tensor]] = {}
+        #: Whether ``complete`` takes them: where user code can see the gradients (the strategy decides at setup).
+        self.keep_norms = True
         self._shard_of = {shard.param: shard for shard in self.shards}
         #: Whether user code wrote a stage-3 parameter's masters through its values since ``take_written`` (an
         #: offload then pushes them where the gathers read them).
@@ -212,7 +214,7 @@ class UserView:
         unscaling): the norms that user code on one rank may read (``p.grad.norm()``, ``p.grad.abs().max()``) are
         taken now, together, so that such a read needs no collective."""
         self.changed()
-        if self._handed:
+        if self._handed and self.keep_norms:
             for ord in (2.0, math.inf):
                 self._norms[ord] = self._whole_norms(ord)
 
@@ -231,8 +233,10 @@ class UserView:
         """The ``ord``-norm (2 or inf) of every whole gradient handed out, by key: kept since the gradients were
         complete, or, after user code changed one, computed together (a read every rank must join)."""
         if ord not in self._norms:
-            self.join(f"{'the 2-norm' if ord == 2.0 else 'the largest magnitude'} of a gradient changed since the "
-                      "backward")
+            self.join(f"{'the 2-norm' if ord == 2.0 else 'the largest magnitude'} of a gradient (one rank alone "
+                      "reads it where it is kept: where the LightningModule or a callback of yours overrides "
+                      "on_after_backward, on_before_optimizer_step or on_before_zero_grad, from the backward to the "
+                      "first edit that is not a scalar factor)")
             self._norms[ord] = self._whole_norms(ord)
         return self._norms[ord]
 
@@ -251,7 +255,8 @@ class UserView:
             stacked[where] = torch.stack(norms).float().to(stacked.device)
         if ord == 2.0:
             stacked.square_()
-        self.comms.all_reduce_(stacked, "the gradient norms", op="sum" if ord == 2.0 else "max")
+        self.comms.all_reduce_(stacked, "the gradient norms", op="sum" if ord == 2.0 else "max",
+                               counted_as="gradient_norms")
         values = stacked.sqrt() if ord == 2.0 else stacked
         return dict(zip(keys, values.unbind()))
 

@@ -149,7 +149,14 @@ def test_bytes_per_step_are_two_psi(world_size: int, name: str) -> None:
             assert step["reduce_scatter"] + step["all_gather"] == pytest.approx(2 * psi * 4 * ring, rel=0.01)
             # Buckets are bounded by bucket_mb: 8 for this model at 0.25 MiB.
             assert step["reduce_scatter_calls"] >= 4
-            assert set(step) == {"reduce_scatter", "all_gather", "reduce_scatter_calls", "all_gather_calls"}
+            # The gradient norms one rank may read (this test's callback is user code that sees the gradients: see
+            # [Note: a read that runs on one rank]): the 2-norm and largest magnitude of each of the P parameters,
+            # one all-reduce of P floats each.
+            count = len(list(WideMLP().parameters()))
+            assert step["gradient_norms_calls"] == 2
+            assert step["gradient_norms"] == pytest.approx(2 * 2 * count * 4 * ring)
+            assert set(step) == {"reduce_scatter", "all_gather", "reduce_scatter_calls", "all_gather_calls",
+                                 "gradient_norms", "gradient_norms_calls"}
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -73,13 +73,21 @@ def _run(rank: int, world_size: int) -> dict:
     _count_host_reads(counts)
 
     class PerStep(pl.Callback):
+        """What each step called, from one batch's start to the next's (or the end of training): a callback with no
+        hook that sees the step's gradients, so that the step is plain (with one, the gradient norms a rank may read
+        alone are kept: two small all-reduces a step, see [Note: a read that runs on one rank])."""
+
         def __init__(self) -> None:
             self.steps: list[dict] = []
+            self._started = False
 
         def on_train_batch_start(self, *args) -> None:
+            if self._started:
+                self.steps.append(dict(counts))
             counts.clear()
+            self._started = True
 
-        def on_train_batch_end(self, *args) -> None:
+        def on_train_end(self, *args) -> None:
             self.steps.append(dict(counts))
 
     out = {}
