@@ -177,10 +177,8 @@ class UserView:
         follow), or anything (they are dropped)."""
         if key is None or factor is None:
             self._norms.clear()
-            return
-        for norms in self._norms.values():
-            if key in norms:
-                norms[key] = norms[key] * torch.as_tensor(factor, dtype=torch.float32, device=norms[key].device).abs()
+        else:
+            self._scale_kept(factor, key)
 
     def stop_reads(self, notify: bool = True) -> None:
         """No more joined reads (end of fit): the responder ends (``notify=False``, after an error: it is left to end
@@ -223,11 +221,17 @@ class UserView:
         them: the norms kept follow (a clamp drops them)."""
         if clamped:
             self.changed()
-            return
+        else:
+            self._scale_kept(factor)
+
+    def _scale_kept(self, factor: Tensor | float, key: int | None = None) -> None:
+        """The kept norms of gradient ``key`` (default: every one) times ``|factor|``."""
+        factor = torch.as_tensor(factor, dtype=torch.float32, device=self.comms.device).abs()
         for ord, norms in self._norms.items():
-            if norms:
-                values = torch.stack(list(norms.values())) * factor
-                self._norms[ord] = dict(zip(norms, values.unbind()))
+            if key is None and norms:
+                self._norms[ord] = dict(zip(norms, (torch.stack(list(norms.values())) * factor).unbind()))
+            elif key in norms:
+                norms[key] = norms[key] * factor
 
     def whole_norms(self, ord: float) -> dict[int, Tensor]:
         """The ``ord``-norm (2 or inf) of every whole gradient handed out, by key: kept since the gradients were
