@@ -83,7 +83,10 @@ class JoinedReads:
         self.rank, self.world_size = rank, world_size
         self.progress, self.timeout_s = progress, timeout_s
         self._prefix = f"lightning_zero/reads/{next(_GENERATIONS)}/"
-        self._client = store_client(store, None)
+        # The training thread asks through the process group's own client; the responder, which blocks in
+        # ``wait``, has a connection of its own. One more per setup at most: with two, the store of a test that fits
+        # five times in a row with a 2 s failure timeout went unanswered for over 2 s in 4 runs of 10.
+        self._client = store
         self._listener_client = store_client(store, None)
         self._thread: threading.Thread | None = None
 

@@ -183,7 +183,7 @@ def test_resuming_from_last_after_each_failure_equals_an_uninterrupted_run(faile
     for world_size in sorted({s.world_size for s in SCENARIOS}):
         results = launch(partial(_resume_all, runs=failed_runs), world_size, timeout_s=120)
         for outcome in results:
-            assert outcome.error is None and outcome.exitcode == 0, outcome.error
+            assert outcome.error is None and outcome.exitcode == 0, (outcome.error, outcome.stderr[-3000:])
             reference, resumed = outcome.value
             for name, (losses, params) in resumed.items():
                 scenario = failed_runs[name][0]
