@@ -54,6 +54,7 @@ from lightning_zero.offload import make_offload
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.replicas import check_replicas
 from lightning_zero.sharded_callbacks import adapt_weight_callbacks
+from lightning_zero.sharding.joined_reads import JoinedReads
 from lightning_zero.sharding.collectives import Collectives, CommStats, topology_collectives
 from lightning_zero.sharding.process_groups import is_initialized, started_world
 from lightning_zero.sharding.materialize import (
@@ -237,6 +238,8 @@ class ZeroStrategy(ShardedCheckpointHooks, EvaluationHooks, FailureHooks, DDPStr
         self._runtime = ZeroRuntime(self.model, config, comms, working_dtype, materialized, offload, self._timeout)
         del materialized  # the rows the shards were cut from: the shards own them now
         self._runtime.user_view.keep_norms = fitting and user_code_sees_gradients(trainer)
+        if not self._runtime.single_rank:  # see [Note: a read that runs on one rank] in sharding/joined_reads.py
+            self._runtime.user_view.reads = JoinedReads.open(self._timeout, self._watchdog)
         if self.config.stage == 3 and not self._runtime.single_rank:
             adapt_weight_callbacks(trainer, self._runtime, self.gathered_parameters)
         give_back_freed_memory()

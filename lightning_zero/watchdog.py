@@ -142,6 +142,9 @@ class Watchdog:
         self._listener: threading.Thread | None = None
         self._next_probe = 1  # the probe the listener waits for
         self.verdict: PeerFailure | None = None
+        #: How far this rank is (its count of issued collectives), published each heartbeat where set (see [Note: a
+        #: read that runs on one rank] in sharding/joined_reads.py).
+        self.progress: Callable[[], int] | None = None
 
     @classmethod
     def for_process_group(
@@ -162,6 +165,7 @@ class Watchdog:
         the calling thread."""
         self._target = threading.get_ident()
         self._calls(self._slow_s, "add", self._beats[self.rank], 1)
+        self._publish_progress()
         self._thread = threading.Thread(target=self._run, name=f"lightning_zero-watchdog-{self.rank}", daemon=True)
         self._thread.start()
         self._listener = threading.Thread(target=self._listen, name=f"lightning_zero-probes-{self.rank}", daemon=True)
@@ -215,6 +219,7 @@ class Watchdog:
             reachable = True
             try:
                 self._calls(self._slow_s, "add", self._beats[self.rank], 1)
+                self._publish_progress()
                 verdict = self._read_failure(self._slow_s)
                 beats = self._read_beats(self._slow_s)
             except dist.DistError as err:
@@ -289,6 +294,15 @@ class Watchdog:
             return [int(v) for v in self._calls(deadline_s, "multi_get", self._beats)]
         return [int(self._calls(deadline_s, "get", k)) if self._calls(deadline_s, "check", [k]) else 0
                 for k in self._beats]
+
+    def _publish_progress(self) -> None:
+        """How far this rank is (``progress``), for a read waiting on its peers (sharding/joined_reads.py)."""
+        if self.progress is not None:
+            self._calls(self._slow_s, "set", self.progress_key(self.rank), str(self.progress()))
+
+    def progress_key(self, rank: int) -> str:
+        """Where ``rank`` publishes how far it is, once a heartbeat."""
+        return f"{self._prefix}progress/{rank}"
 
     def _publish(self, deadline_s: float, rank: int | None, reason: str) -> None:
         """Record the root cause unless one already is (the first failure is the one every rank reports)."""

@@ -18,47 +18,48 @@ until every rank of the group has published the same read at the same point, and
 
 The point of a run is its count of issued collectives: the sum of c10d's own sequence numbers over every process
 group this process belongs to, plus zero3's unit-order announcements on a shared-memory board
-(``issued_collectives``). Every rank issues the same
-collectives in the same order (see [Note: how the order of collectives is owned] in collectives.py), so ranks that
-reach the same read have the same count, and a rank whose count is already past it has issued a collective there
-instead of the read: it went on without it. A waiting rank asks the peers that have not joined for their count: each
-rank runs a responder thread that waits in the store for such questions (``Store.wait``: no polling) and answers
-with its count at once, even while its training thread is blocked in a collective (the count is read from c10d
-without touching the group). The reader asks again every ``ASK_EVERY_S``. So:
+(``issued_collectives``). Every rank issues the same collectives in the same order (see [Note: how the order of
+collectives is owned] in collectives.py), so ranks that reach the same read have the same count, and a rank whose
+count is already past it has issued a collective there instead of the read: it went on without it. Each rank's
+watchdog publishes its count in the store at every heartbeat (``Watchdog.progress``: read from c10d by the
+watchdog's thread, so it is published even while the training thread is blocked in a collective), and a waiting
+reader reads its peers'. No thread and no store connection of its own: a connection cloned per setup for a responder
+thread made the store slow to answer (5 s a setup in a 4-rank job) and, in a test with a 2 s failure timeout,
+unanswered for over 2 s. So:
 
 * every rank runs the read: they all publish it, and the collective runs as before (the cost: a store round trip
   or two per read, for reads that are not norms);
-* a rank runs it alone: a peer's count passes it as soon as that peer issues its next collective, and the reader
-  raises :class:`OneRankReadError` naming the call, the rank that went on, and the supported ways; the error goes
+* a rank runs it alone: a peer's published count passes it at the peer's first heartbeat after its next
+  collective (``heartbeat_s``, 2 s by default), and the reader raises :class:`OneRankReadError` naming the call, the rank that went on, and the supported ways; the error goes
   through Lightning's ``on_exception``, the watchdog publishes it, and the peers, blocked in a collective the
   reader will never issue, end with an error naming the reading rank (watchdog.py);
 * two ranks run different reads at the same point: the first to see it raises, naming both.
 
 A peer that stays behind without issuing anything (a long computation of its own, or a wait this count does not see:
-a store-based barrier) is waited for, up to the strategy's ``timeout``; a peer that died is the watchdog's to report.
+a store-based barrier) is waited for, up to the strategy's ``timeout``, and so is every peer where the watchdog is off
+(``failure_timeout_s=None``: no count is published); a peer that died is the watchdog's to report.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed import default_pg_timeout
 
 from lightning_zero.sharding.unit_order import SharedBoard
-from lightning_zero.store_calls import store_client
 
-#: How often a waiting reader asks the peers that have not joined how far they are.
-ASK_EVERY_S = 0.25
+if TYPE_CHECKING:
+    from lightning_zero.watchdog import Watchdog
+
 #: The longest sleep between two looks at the peers' announcements.
-MAX_SLEEP_S = 0.02
+MAX_SLEEP_S = 0.05
 #: One namespace per ``JoinedReads`` made in this process: every rank makes them in the same order (one per setup).
 _GENERATIONS = itertools.count()
-_STOP = "stop"
 
 
 class OneRankReadError(RuntimeError):
@@ -75,67 +76,43 @@ def issued_collectives() -> int:
 
 
 class JoinedReads:
-    """Reads every rank of a group must join (see [Note: a read that runs on one rank]). ``progress``: this rank's
-    count of issued collectives; ``timeout_s``: how long a peer that neither joined nor went on is waited for."""
+    """Reads every rank of a group must join (see [Note: a read that runs on one rank]). ``progress_key``: where a
+    rank's watchdog publishes its count of issued collectives (``None``: no watchdog); ``timeout_s``: how long a peer
+    that neither joined nor went on is waited for."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                 progress_key: Callable[[int], str] | None = None,
                  progress: Callable[[], int] = issued_collectives) -> None:
         self.rank, self.world_size = rank, world_size
-        self.progress, self.timeout_s = progress, timeout_s
+        self.progress, self.progress_key, self.timeout_s = progress, progress_key, timeout_s
         self._prefix = f"lightning_zero/reads/{next(_GENERATIONS)}/"
-        # The training thread asks through the process group's own client; the responder, which blocks in
-        # ``wait``, has a connection of its own. One more per setup at most: with two, the store of a test that fits
-        # five times in a row with a 2 s failure timeout went unanswered for over 2 s in 4 runs of 10.
-        self._client = store
-        self._listener_client = store_client(store, None)
-        self._thread: threading.Thread | None = None
+        self._store = store  # the process group's own client: used from the training thread only, between c10d's
 
     @classmethod
-    def open(cls, timeout: timedelta | None) -> JoinedReads | None:
-        """Over the default process group's store, its responder started; ``None`` with one rank. ``timeout``: the
-        process group's (``None``: torch's default)."""
+    def open(cls, timeout: timedelta | None, watchdog: Watchdog | None) -> JoinedReads | None:
+        """Over the default process group's store; ``None`` with one rank. ``timeout``: the process group's
+        (``None``: torch's default); ``watchdog``: the one publishing every rank's count, made to publish it."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
+        if watchdog is not None:
+            watchdog.progress = issued_collectives
+        timeout_s = (timeout or default_pg_timeout).total_seconds()
         store = dist.distributed_c10d._get_default_store()
-        reads = cls(store, dist.get_rank(), dist.get_world_size(), (timeout or default_pg_timeout).total_seconds())
-        reads.start()
+        reads = cls(store, dist.get_rank(), dist.get_world_size(), timeout_s,
+                    watchdog.progress_key if watchdog is not None else None)
+        store.set(reads._read_key(reads.rank), "")  # no read yet: once every rank has opened, every key exists
         return reads
-
-    def start(self) -> None:
-        self._client.set(self._read_key(self.rank), "")
-        self._thread = threading.Thread(target=self._answer, name=f"lightning_zero-reads-{self.rank}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """End the responder (it answers its next question with nothing and returns)."""
-        if self._thread is None:
-            return
-        try:
-            question = self._client.add(self._asked_key(self.rank), 1)
-            self._client.set(self._question_key(self.rank, question), _STOP)
-        except dist.DistError:
-            pass  # the store is gone, and the daemon thread with it
-        self._thread.join(timeout=2.0)
-        self._thread = None
-
-    # ---------------------------------------------------------------------------------------------------- joining
 
     def join(self, what: str, way_out: str, ranks: Sequence[int] | None = None) -> None:
         """Wait until every rank of ``ranks`` (global ranks; default: all) is about to run the read ``what`` at this
         point, or raise :class:`OneRankReadError` (naming ``way_out``) once one of them is seen past it."""
         point = self.progress()
-        self._client.set(self._read_key(self.rank), f"{point}\t{what}")
+        self._store.set(self._read_key(self.rank), f"{point}\t{what}")
         peers = [r for r in (range(self.world_size) if ranks is None else ranks) if r != self.rank]
-        started = asked_at = time.monotonic()
-        pending: dict[int, int] = {}  # peer -> the question whose answer is awaited
-        sleep = 0.0
+        started, sleep = time.monotonic(), 0.0
         while waiting := self._not_joined(peers, point, what, way_out):
-            now = time.monotonic()
-            self._check_answers(pending, point, what, way_out)
-            if now - asked_at >= ASK_EVERY_S or (not pending and now - started > MAX_SLEEP_S):
-                pending.update({peer: self._ask(peer) for peer in waiting if peer not in pending})
-                asked_at = now
-            if now - started > self.timeout_s:
+            self._check_progress(waiting, point, what, way_out)
+            if time.monotonic() - started > self.timeout_s:
                 raise OneRankReadError(
                     f"{what} on rank {self.rank}: rank(s) {waiting} neither ran it nor went on within "
                     f"{self.timeout_s:g} s (the strategy's timeout). {way_out}")
@@ -146,10 +123,10 @@ class JoinedReads:
         """The peers that have not announced the read ``what`` at ``point``; raises if one announced another read
         there."""
         keys = [self._read_key(r) for r in peers]
-        if not self._client.check(keys):  # a peer has not started yet
+        if not self._store.check(keys):  # a peer has not opened its reads yet
             return peers
         waiting = []
-        for peer, value in zip(peers, self._client.multi_get(keys)):
+        for peer, value in zip(peers, self._store.multi_get(keys)):
             theirs, _, their_what = value.decode().partition("\t")
             if theirs == str(point) and their_what != what:
                 raise OneRankReadError(
@@ -159,61 +136,18 @@ class JoinedReads:
                 waiting.append(peer)
         return waiting
 
-    def _check_answers(self, pending: dict[int, int], point: int, what: str, way_out: str) -> None:
-        """Take the answers that came in; raises if a peer is past ``point`` (it issued a collective there)."""
-        for peer, question in list(pending.items()):
-            answer = self._answer_of(peer, question)
-            if answer is None:
-                continue
-            del pending[peer]
-            if answer > point:
+    def _check_progress(self, waiting: list[int], point: int, what: str, way_out: str) -> None:
+        """Raises if a peer that has not joined is past ``point`` (it issued a collective there)."""
+        if self.progress_key is None:
+            return
+        keys = [self.progress_key(r) for r in waiting]
+        if not self._store.check(keys):
+            return
+        for peer, value in zip(waiting, self._store.multi_get(keys)):
+            if int(value) > point:
                 raise OneRankReadError(
                     f"{what} ran on rank {self.rank}, but rank {peer} went on without it: each rank holds only its "
                     f"rows, so this read needs every rank to run it at the same point. {way_out}")
 
-    def _ask(self, peer: int) -> int:
-        question = self._client.add(self._asked_key(peer), 1)
-        self._client.set(self._question_key(peer, question), str(self.rank))
-        return question
-
-    def _answer_of(self, peer: int, question: int) -> int | None:
-        key = self._answer_key(peer, question)
-        if not self._client.check([key]):
-            return None
-        answer = int(self._client.get(key))
-        self._client.delete_key(key)
-        return answer
-
-    # ------------------------------------------------------------------------------------------------- answering
-
-    def _answer(self) -> None:
-        """The responder: answer each question put to this rank with its count of issued collectives."""
-        client, question = self._listener_client, 1
-        while True:
-            key = self._question_key(self.rank, question)
-            try:
-                client.wait([key], timedelta(days=1))
-                asked_by = client.get(key).decode()
-                client.delete_key(key)
-                if asked_by == _STOP:
-                    return
-                client.set(self._answer_key(self.rank, question), str(self.progress()))
-            except dist.DistError as err:
-                if "timeout" in str(err).lower():
-                    continue
-                return  # the store is gone: the watchdog reports it
-            question += 1
-
-    # ------------------------------------------------------------------------------------------------------- keys
-
     def _read_key(self, rank: int) -> str:
         return f"{self._prefix}read/{rank}"
-
-    def _asked_key(self, rank: int) -> str:
-        return f"{self._prefix}asked/{rank}"
-
-    def _question_key(self, rank: int, question: int) -> str:
-        return f"{self._prefix}question/{rank}/{question}"
-
-    def _answer_key(self, rank: int, question: int) -> str:
-        return f"{self._prefix}answer/{rank}/{question}"

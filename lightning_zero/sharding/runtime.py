@@ -62,7 +62,6 @@ from lightning_zero.sharding.single_rank import SingleRank
 from lightning_zero.sharding.unit_state import Unit
 from lightning_zero.sharding.units import plan_units
 from lightning_zero.sharding.outside_step import EvaluationLoops, StateLoading
-from lightning_zero.sharding.joined_reads import JoinedReads
 from lightning_zero.sharding.user_copies import UserCopies
 from lightning_zero.sharding.user_view import UserView
 
@@ -104,7 +103,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         self.shard_of = {s.param: s for s in self.shards}
         #: What user code sees of the parameters and gradients (see [Note: what user code sees of a parameter and its
         #: gradient]).
-        self.user_view = UserView(comms, self.shards, None if self.single_rank else JoinedReads.open(timeout))
+        self.user_view = UserView(comms, self.shards)
         self.user_copies = UserCopies(comms, self.shards)  # see [Note: a user's copy of a sharded module]
         self.offload: Offload | None = None
         try:
@@ -400,7 +399,7 @@ class ZeroRuntime(EvaluationLoops, StateLoading):
         ``DiskOffload.full_parameter``). A later setup shards the module again from these values. ``gather=False``
         (after an error) only removes the hooks: no collective, stage 3's parameters stay empty."""
         self.released = True
-        self.user_view.stop_reads(notify=gather)
+        self.user_view.stop_reads()
         if gather:
             self.check_offloaded_files()
             self.adopt_edits()

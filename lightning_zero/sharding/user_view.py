@@ -73,7 +73,8 @@ class UserView:
     def __init__(self, comms: Collectives, shards: Sequence[ParamShard], reads: JoinedReads | None = None) -> None:
         self.comms = comms
         self.shards = list(shards)
-        #: Where a read that needs a collective waits for every rank to run it (``None``: one rank, no collective).
+        #: Where a read that needs a collective waits for every rank to run it (``None``: one rank, or no check; the
+        #: strategy sets it at setup).
         self.reads = reads
         self._position = {shard: i for i, shard in enumerate(shards)}
         #: The gradients handed out since the last backward began, by their shard's position (the same on every rank).
@@ -180,11 +181,8 @@ class UserView:
         else:
             self._scale_kept(factor, key)
 
-    def stop_reads(self, notify: bool = True) -> None:
-        """No more joined reads (end of fit): the responder ends (``notify=False``, after an error: it is left to end
-        with the process, no store call is made)."""
-        if self.reads is not None and notify:
-            self.reads.stop()
+    def stop_reads(self) -> None:
+        """No more joined reads (end of fit: the watchdog that publishes the ranks' counts stops)."""
         self.reads = None
 
     def join(self, what: str, of: ShardedRows | None = None, gradients: bool = True) -> None:
