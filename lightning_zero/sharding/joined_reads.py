@@ -30,9 +30,10 @@ unanswered for over 2 s. So:
 * every rank runs the read: they all publish it, and the collective runs as before (the cost: a store round trip
   or two per read, for reads that are not norms);
 * a rank runs it alone: a peer's published count passes it at the peer's first heartbeat after its next
-  collective (``heartbeat_s``, 2 s by default), and the reader raises :class:`OneRankReadError` naming the call, the rank that went on, and the supported ways; the error goes
-  through Lightning's ``on_exception``, the watchdog publishes it, and the peers, blocked in a collective the
-  reader will never issue, end with an error naming the reading rank (watchdog.py);
+  collective (``heartbeat_s``, 2 s by default), and the reader raises :class:`OneRankReadError` naming the call,
+  the rank that went on, and the supported ways; the error goes through Lightning's ``on_exception``, the watchdog
+  publishes it, and the peers, blocked in a collective the reader will never issue, end with an error naming the
+  reading rank (watchdog.py);
 * two ranks run different reads at the same point: the first to see it raises, naming both.
 
 A peer that stays behind without issuing anything (a long computation of its own, or a wait this count does not see:
@@ -86,7 +87,7 @@ class JoinedReads:
         self.rank, self.world_size = rank, world_size
         self.progress, self.progress_key, self.timeout_s = progress, progress_key, timeout_s
         self._prefix = f"lightning_zero/reads/{next(_GENERATIONS)}/"
-        self._store = store  # the process group's own client: used from the training thread only, between c10d's
+        self._store = store  # the process group's own client, which c10d also uses from the training thread
 
     @classmethod
     def open(cls, timeout: timedelta | None, watchdog: Watchdog | None) -> JoinedReads | None:

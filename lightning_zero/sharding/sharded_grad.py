@@ -18,7 +18,7 @@ answers each operation from the shards of every rank:
   wherever they live), and so do reshapes that keep rows whole (``view(-1)``);
 * reductions over every element, or over the first dimension (``norm``, ``sum``, ``mean``, ``max``, ``all``,
   ``any``, ``equal``, ``item()``), combine the ranks' partial results with one all-reduce that every rank must run
-  (a read run on one rank fails there at once: [Note: a read that runs on one rank] in joined_reads.py), except the
+  (a read run on one rank fails there within seconds: [Note: a read that runs on one rank] in joined_reads.py), except the
   2-norm and the largest magnitude of each whole gradient (``p.grad.norm()``, ``p.grad.abs().max()``): taken for
   every gradient together when the gradients become complete and kept until a gradient changes (a scalar factor,
   ``clip_grad_norm_``'s, scales them), so ``clip_grad_norm_`` and ``grad_norm`` need no collective, on any rank;
@@ -258,8 +258,7 @@ def element_wise(func, args, kwargs):
         refuse(f"{func.overloadpacket.__name__}() with {err}", first)
     out = func(*local_args, **local_kwargs)
     if written:
-        key = whole_key(first) if first._abs_of is None else None
-        first._owner.changed(key, scaling_factor(func, args[1:]))
+        first._owner.changed(first._key, scaling_factor(func, args[1:]))
         return written[0] if len(written) == 1 else tuple(written)
     if isinstance(out, Tensor):
         if out.shape != layout.local_shape:

@@ -339,7 +339,7 @@ def _foreach(func, args, kwargs):
     if func._schema.is_mutable:
         factor = scaling_factor(func, args[1:])
         for tensor in sharded if factor is not None else sharded[:1]:
-            tensor._owner.changed(whole_key(tensor) if tensor._abs_of is None else None, factor)
+            tensor._owner.changed(tensor._key, factor)
         return None
     return [o if layout is None else wrap(o, layout, t) for o, layout, t in zip(out, layouts, first)]
 

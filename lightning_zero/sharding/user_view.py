@@ -70,12 +70,12 @@ class UserView:
     ``ShardedGrad`` and answers their reductions over the ranks that hold the other rows (``comms``: the shard
     group). The runtime calls it wherever control passes between user code and the shards."""
 
-    def __init__(self, comms: Collectives, shards: Sequence[ParamShard], reads: JoinedReads | None = None) -> None:
+    def __init__(self, comms: Collectives, shards: Sequence[ParamShard]) -> None:
         self.comms = comms
         self.shards = list(shards)
         #: Where a read that needs a collective waits for every rank to run it (``None``: one rank, or no check; the
         #: strategy sets it at setup).
-        self.reads = reads
+        self.reads: JoinedReads | None = None
         self._position = {shard: i for i, shard in enumerate(shards)}
         #: The gradients handed out since the last backward began, by their shard's position (the same on every rank).
         self._handed: dict[int, ShardedGrad] = {}
